@@ -1,0 +1,1 @@
+"""Prior families: structural causal models, random MLPs, random tree ensembles."""

@@ -1,0 +1,1 @@
+"""ATP adaptive 2D tensor parallelism. Nothing here knows about tables."""

@@ -1,0 +1,88 @@
+"""Plain one-device transformer pieces: the modules `parallelize` knows how to swap for ATP layers.
+
+Models (tabfm.model) are written with these and `nn.LayerNorm` / `nn.Embedding`, so the very same model runs
+on one device, and `parallelize(model, mesh, plan)` turns it into the tensor-parallel one with the same
+parameter names. Shapes: x [B..., S, H]; attention keys/values are the first `num_kv` tokens of the sequence
+(train rows first, then test rows, so test rows attend to train rows only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class Mlp(nn.Module):
+    """h -> ffn -> h with an elementwise activation."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str = "gelu", bias: bool = True):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+        self.activation = activation
+        self.fc1 = nn.Linear(hidden, ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv: int | None,
+           attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention of q [B..., nh, S, dh] over the first `num_kv` keys/values.
+
+    attn_mask: boolean [B..., S, num_kv] (True = may attend) or None; it is shared by all heads.
+    """
+    if num_kv is not None:
+        k, v = k[..., :num_kv, :], v[..., :num_kv, :]
+    mask = None if attn_mask is None else attn_mask.unsqueeze(-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused [q | k | v] projection, or query-to-context attention when
+    `num_kv` restricts keys and values to a prefix of the sequence."""
+
+    def __init__(self, hidden: int, heads: int, bias: bool = True):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.proj = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
+        ctx = attend(q, k, v, num_kv, attn_mask)           # [B..., nh, S, dh]
+        return self.proj(ctx.transpose(-3, -2).flatten(-2))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4, bias: bool = True, eps: float = 1e-5):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden, eps=eps)
+        self.attn = Attention(hidden, heads, bias=bias)
+        self.norm2 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = Mlp(hidden, mlp_ratio * hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), num_kv=num_kv, attn_mask=attn_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class BlockStack(nn.Module):
+    """A stack of blocks sharing one attention pattern."""
+
+    def __init__(self, depth: int, hidden: int, heads: int, mlp_ratio: int = 4, bias: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, heads, mlp_ratio, bias) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, num_kv=num_kv, attn_mask=attn_mask)
+        return x

@@ -1,0 +1,113 @@
+"""Run a function on N gloo ranks and get every rank's result, or every rank's failure, back.
+
+A `RankPool` keeps N spawned processes alive for the whole test session (spawning and importing torch costs
+seconds per process on this machine), each with its gloo process group initialised once. `pool.run(fn, ...)`
+sends `fn` (a module-level, picklable function) to every rank and returns the list of results in rank order.
+If any rank raises, the error names the ranks and shows each traceback; a rank that hangs (a collective that
+the others never join) is reported after `timeout` seconds and the pool is rebuilt for the next test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_MESHES: dict[tuple[int, int, int], Any] = {}  # per worker process: meshes built so far (group creation is costly)
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised or hung."""
+
+
+def get_mesh(d0: int, d1: int, dp: int = 1):
+    """This worker's mesh of the given shape, built once per process (all ranks must ask in the same order)."""
+    from tabfm.parallel.mesh import ParallelDims
+
+    key = (d0, d1, dp)
+    if key not in _MESHES:
+        _MESHES[key] = ParallelDims(d0=d0, d1=d1, dp=dp).build("cpu")
+    mesh = _MESHES[key]
+    mesh.reset_tallies()
+    return mesh
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback travels back to the test
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, timeout: float = 300.0):
+        self.world_size, self.timeout = world_size, timeout
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if self.broken:
+            raise RankFailure("the rank pool broke in an earlier test")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, tuple[bool, Any]] = {}
+        while len(out) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                self.broken = True
+                self.close()
+                silent = sorted(set(range(self.world_size)) - set(out))
+                failed = {r: v for r, (ok_, v) in out.items() if not ok_}
+                detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
+                raise RankFailure(f"{fn.__name__}: ranks {silent} gave no answer within {self.timeout:.0f}s "
+                                  f"(a collective the others never joined?){detail}") from None
+            out[rank] = (ok, value)
+        failed = {r: v for r, (ok, v) in sorted(out.items()) if not ok}
+        if failed:
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
+            raise RankFailure(f"{fn.__name__} failed on ranks {sorted(failed)}:{detail}")
+        return [out[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
