@@ -79,9 +79,12 @@ class MeshAxis:
     tally: CommTally = field(default_factory=CommTally, repr=False, compare=False)
     delay: Callable[[str, int], None] | None = field(default=None, repr=False, compare=False)
     """Optional hook called as delay(kind, full_bytes) after each collective (emulated slow links)."""
+    dry_run: bool = False
+    """Count collectives without communicating: outputs get the right shapes but not the right values. Lets
+    the planner read exact volumes off the real layers for any layout in one process (even on meta tensors)."""
 
     def __post_init__(self) -> None:
-        if self.size > 1 and self.group is None:
+        if self.size > 1 and self.group is None and not self.dry_run:
             raise ValueError(f"mesh axis {self.name} of size {self.size} needs a process group")
 
     def _done(self, kind: str, full_bytes: int) -> None:
@@ -121,6 +124,9 @@ def all_reduce_async(x: torch.Tensor, axis: MeshAxis) -> Handle:
     if axis.size == 1:
         return Handle(x)
     out = x.contiguous().clone()
+    if axis.dry_run:
+        axis._done(ALL_REDUCE, _nbytes(out))
+        return Handle(out)
     work = dist.all_reduce(out, group=axis.group, async_op=True)
     return Handle(out, work, on_wait=lambda: axis._done(ALL_REDUCE, _nbytes(out)))
 
@@ -131,6 +137,10 @@ def all_gather_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
         return Handle(x)
     dim = dim % x.dim()
     front = x.movedim(dim, 0).contiguous()
+    if axis.dry_run:
+        out = torch.cat([front] * axis.size)
+        axis._done(ALL_GATHER, _nbytes(out))
+        return Handle(out.movedim(0, dim))
     out = front.new_empty((axis.size * front.shape[0], *front.shape[1:]))
     work = dist.all_gather_single(out, front, group=axis.group, async_op=True)
     return Handle(out, work, finish=lambda t: t.movedim(0, dim),
@@ -147,6 +157,9 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
             f"reduce-scatter over {axis.name} needs dim {dim} (size {x.shape[dim]}) divisible by {axis.size}"
         )
     front = x.movedim(dim, 0).contiguous()
+    if axis.dry_run:
+        axis._done(REDUCE_SCATTER, _nbytes(front))
+        return Handle(front[: front.shape[0] // axis.size].clone().movedim(0, dim))
     out = front.new_empty((front.shape[0] // axis.size, *front.shape[1:]))
     work = dist.reduce_scatter_single(out, front, group=axis.group, async_op=True)
     return Handle(out, work, finish=lambda t: t.movedim(0, dim),

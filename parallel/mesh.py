@@ -117,6 +117,12 @@ class TPMesh:
         """The (1, 1) mesh of one process: every collective is a no-op and no process group exists."""
         return cls(ParallelDims(), MeshAxis("tp0", 1, 0), MeshAxis("tp1", 1, 0), MeshAxis("dp", 1, 0))
 
+    @classmethod
+    def dry_run(cls, d0: int, d1: int, i: int = 0, j: int = 0) -> TPMesh:
+        """A mesh that counts collectives at coordinate (i, j) without any process group (see MeshAxis)."""
+        return cls(ParallelDims(d0, d1), MeshAxis("tp0", d0, i, dry_run=True), MeshAxis("tp1", d1, j, dry_run=True),
+                   MeshAxis("dp", 1, 0))
+
     @property
     def d0(self) -> int:
         return self.dims.d0

@@ -44,6 +44,8 @@ class ShardSpec:
 
     def problems(self, shape: tuple[int, ...], d0: int, d1: int, name: str = "tensor") -> list[str]:
         """Why this tensor cannot be cut on a (d0, d1) mesh (empty when it can)."""
+        if len(shape) != len(self.dims):
+            return [f"{name} has {len(shape)} dims but its shard spec describes {len(self.dims)}"]
         out = []
         for dim, (n, p) in enumerate(zip(shape, self.dims, strict=True)):
             k = self.parts(p, d0, d1)

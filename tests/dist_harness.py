@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
 
 
 class RankPool:
-    def __init__(self, world_size: int, timeout: float = 300.0):
+    def __init__(self, world_size: int, timeout: float = 120.0):
         self.world_size, self.timeout = world_size, timeout
         ctx = mp.get_context("spawn")
         port = _free_port()
