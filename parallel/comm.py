@@ -15,6 +15,7 @@ tensor). Async variants return a handle for the overlap code.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,8 +78,10 @@ class MeshAxis:
     index: int
     group: Any = None
     tally: CommTally = field(default_factory=CommTally, repr=False, compare=False)
-    delay: Callable[[str, int], None] | None = field(default=None, repr=False, compare=False)
-    """Optional hook called as delay(kind, full_bytes) after each collective (emulated slow links)."""
+    delay: Callable[[str, Fraction, float], None] | None = field(default=None, repr=False, compare=False)
+    """Optional hook called as delay(kind, traffic_bytes, started) when a collective's result is first needed,
+    `started` being its launch time (perf_counter): emulated slow links wait out the rest of the modelled time,
+    so an async collective overlapped with compute hides the wait as a real one would."""
     dry_run: bool = False
     """Count collectives without communicating: outputs get the right shapes but not the right values. Lets
     the planner read exact volumes off the real layers for any layout in one process (even on meta tensors)."""
@@ -87,10 +90,11 @@ class MeshAxis:
         if self.size > 1 and self.group is None and not self.dry_run:
             raise ValueError(f"mesh axis {self.name} of size {self.size} needs a process group")
 
-    def _done(self, kind: str, full_bytes: int) -> None:
+    def _done(self, kind: str, full_bytes: int, started: float | None = None) -> None:
         self.tally.record(kind, full_bytes, self.size)
         if self.delay is not None:
-            self.delay(kind, full_bytes)
+            factor = Fraction(2 * (self.size - 1), self.size) if kind == ALL_REDUCE else Fraction(self.size - 1, self.size)
+            self.delay(kind, factor * full_bytes, time.perf_counter() if started is None else started)
 
 
 class Handle:
@@ -127,8 +131,9 @@ def all_reduce_async(x: torch.Tensor, axis: MeshAxis) -> Handle:
     if axis.dry_run:
         axis._done(ALL_REDUCE, _nbytes(out))
         return Handle(out)
+    started = time.perf_counter()
     work = dist.all_reduce(out, group=axis.group, async_op=True)
-    return Handle(out, work, on_wait=lambda: axis._done(ALL_REDUCE, _nbytes(out)))
+    return Handle(out, work, on_wait=lambda: axis._done(ALL_REDUCE, _nbytes(out), started))
 
 
 def all_gather_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
@@ -142,9 +147,10 @@ def all_gather_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
         axis._done(ALL_GATHER, _nbytes(out))
         return Handle(out.movedim(0, dim))
     out = front.new_empty((axis.size * front.shape[0], *front.shape[1:]))
+    started = time.perf_counter()
     work = dist.all_gather_single(out, front, group=axis.group, async_op=True)
     return Handle(out, work, finish=lambda t: t.movedim(0, dim),
-                  on_wait=lambda: axis._done(ALL_GATHER, _nbytes(out)))
+                  on_wait=lambda: axis._done(ALL_GATHER, _nbytes(out), started))
 
 
 def reduce_scatter_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
@@ -161,9 +167,10 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
         axis._done(REDUCE_SCATTER, _nbytes(front))
         return Handle(front[: front.shape[0] // axis.size].clone().movedim(0, dim))
     out = front.new_empty((front.shape[0] // axis.size, *front.shape[1:]))
+    started = time.perf_counter()
     work = dist.reduce_scatter_single(out, front, group=axis.group, async_op=True)
     return Handle(out, work, finish=lambda t: t.movedim(0, dim),
-                  on_wait=lambda: axis._done(REDUCE_SCATTER, _nbytes(front)))
+                  on_wait=lambda: axis._done(REDUCE_SCATTER, _nbytes(front), started))
 
 
 def all_reduce(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
