@@ -123,11 +123,12 @@ def _nbytes(t: torch.Tensor) -> int:
 # Plain collectives (no autograd). Each returns a new tensor or a Handle; none modifies its input.
 # ---------------------------------------------------------------------------------------------------------
 
-def all_reduce_async(x: torch.Tensor, axis: MeshAxis) -> Handle:
-    """Sum `x` over the axis; the result arrives at `handle.wait()`."""
+def all_reduce_async(x: torch.Tensor, axis: MeshAxis, inplace: bool = False) -> Handle:
+    """Sum `x` over the axis; the result arrives at `handle.wait()`. With `inplace`, a contiguous `x` is
+    overwritten instead of copied (for fresh matmul outputs nobody else holds)."""
     if axis.size == 1:
         return Handle(x)
-    out = x.contiguous().clone()
+    out = x if inplace and x.is_contiguous() else x.contiguous().clone()
     if axis.dry_run:
         axis._done(ALL_REDUCE, _nbytes(out))
         return Handle(out)
@@ -173,8 +174,8 @@ def reduce_scatter_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
                   on_wait=lambda: axis._done(REDUCE_SCATTER, _nbytes(front), started))
 
 
-def all_reduce(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    return all_reduce_async(x, axis).wait()
+def all_reduce(x: torch.Tensor, axis: MeshAxis, inplace: bool = False) -> torch.Tensor:
+    return all_reduce_async(x, axis, inplace).wait()
 
 
 def all_gather(x: torch.Tensor, dim: int, axis: MeshAxis) -> torch.Tensor:
@@ -211,12 +212,15 @@ class _CopyTo(torch.autograd.Function):
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
+    def forward(ctx, x, axis, inplace):
+        if inplace and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return all_reduce(x, axis, inplace=True)
         return all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -259,9 +263,10 @@ def copy_to(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     return x if axis.size == 1 else _CopyTo.apply(x, axis)
 
 
-def reduce_from(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """All-reduce forward (partial sums become the full result); identity backward."""
-    return x if axis.size == 1 else _ReduceFrom.apply(x, axis)
+def reduce_from(x: torch.Tensor, axis: MeshAxis, inplace: bool = False) -> torch.Tensor:
+    """All-reduce forward (partial sums become the full result); identity backward. `inplace` reuses the
+    input's memory (autograd's version counter still catches a later use of the overwritten input)."""
+    return x if axis.size == 1 else _ReduceFrom.apply(x, axis, inplace)
 
 
 def gather(x: torch.Tensor, dim: int, axis: MeshAxis, grad_is_partial: bool = True) -> torch.Tensor:

@@ -79,7 +79,7 @@ class ColumnFirstLinear(nn.Module):
         else:
             x = copy_to(x, axis0)                 # backward all-reduces the partial dX over axis 0
         y = F.linear(x, self.weight)              # [B..., S, out/d0], partial over axis 1
-        y = scatter_reduce(y, HIDDEN, axis1) if self.scatter_output else reduce_from(y, axis1)
+        y = scatter_reduce(y, HIDDEN, axis1) if self.scatter_output else reduce_from(y, axis1, inplace=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -126,7 +126,7 @@ class RowFirstLinear(nn.Module):
             _check_tokens(y, self.mesh, "row-first linear")
             y = scatter_reduce(y, TOKENS, axis0)  # [B..., S/d0, out/d1]
         else:
-            y = reduce_from(y, axis0)
+            y = reduce_from(y, axis0, inplace=True)
         if self.bias is None:
             return y
         # Under sequence parallelism each rank sees only its tokens: the bias gradient is partial over axis 0.
@@ -270,7 +270,7 @@ class VocabEmbedding(nn.Module):
         if self.sequence_parallel:
             _check_tokens(y, self.mesh, "embedding")
             return scatter_reduce(y, TOKENS, self.mesh.axis0)
-        return reduce_from(y, self.mesh.axis0)
+        return reduce_from(y, self.mesh.axis0, inplace=True)
 
 
 def shard_activation(x: torch.Tensor, mesh: TPMesh, sequence_parallel: bool = False) -> torch.Tensor:
