@@ -216,23 +216,22 @@ class ParallelLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         axis0, axis1 = self.mesh.axis0, self.mesh.axis1
+        # Under sequence parallelism each rank sees only its tokens: parameter gradients are partial over axis 0.
+        weight = copy_to(self.weight, axis0) if self.sequence_parallel and self.weight is not None else self.weight
+        bias = copy_to(self.bias, axis0) if self.sequence_parallel and self.bias is not None else self.bias
+        if axis1.size == 1:  # the whole hidden vector is here: PyTorch's fused kernel
+            return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
         n_local = x.shape[HIDDEN]
         mean = x.mean(HIDDEN, keepdim=True)
-        if axis1.size > 1:
-            m2 = (x - mean).square().sum(HIDDEN, keepdim=True)
-            stats = gather(torch.cat([mean, m2], HIDDEN).unsqueeze(-2), -2, axis1)  # [B..., S, d1, 2]
-            means, m2s = stats.unbind(-1)
-            mean = means.mean(HIDDEN, keepdim=True)
-            m2 = m2s.sum(HIDDEN, keepdim=True) + n_local * (means - mean).square().sum(HIDDEN, keepdim=True)
-            var = m2 / (n_local * axis1.size)
-        else:
-            var = (x - mean).square().mean(HIDDEN, keepdim=True)
-        y = (x - mean) * torch.rsqrt(var + self.eps)
-        if self.weight is not None:
-            y = y * (copy_to(self.weight, axis0) if self.sequence_parallel else self.weight)
-        if self.bias is not None:
-            y = y + (copy_to(self.bias, axis0) if self.sequence_parallel else self.bias)
-        return y
+        m2 = (x - mean).square().sum(HIDDEN, keepdim=True)
+        stats = gather(torch.cat([mean, m2], HIDDEN).unsqueeze(-2), -2, axis1)  # [B..., S, d1, 2]
+        means, m2s = stats.unbind(-1)
+        mean = means.mean(HIDDEN, keepdim=True)
+        m2 = m2s.sum(HIDDEN, keepdim=True) + n_local * (means - mean).square().sum(HIDDEN, keepdim=True)
+        y = (x - mean) * torch.rsqrt(m2 / (n_local * axis1.size) + self.eps)
+        if weight is not None:
+            y = y * weight
+        return y if bias is None else y + bias
 
 
 class VocabEmbedding(nn.Module):
