@@ -1,0 +1,436 @@
+"""The axial in-context transformer for tables (DESIGN 4), written for one device with plain modules.
+
+A table is a context of labelled train rows followed by unlabelled test rows; its cells are the tokens.
+Each stage is named after the table axis it mixes (TabICL style):
+
+    CellEncoder      each cell on its own: normalised value (train-row statistics) or hashed category, + column id
+    ColumnAttention  down each column, across rows: every cell attends to the train-row cells of its column
+    RowAttention     across the columns of each row: every cell attends to the real cells of its row
+    RowCompression   K learned CLS tokens read each row's cells -> one vector per row
+    ICLearning       in-context transformer over row vectors: train rows carry their label; all rows attend to
+                     the train rows only
+    heads            classification logits (up to max_classes) or a binned distribution of the normalised target
+
+Test rows never see one another: normalisation statistics come from train rows, and every attention over rows
+takes its keys/values from the train rows only (dense.Attention's `num_kv` prefix plus a mask for tables of the
+batch with fewer train rows). tests/test_model.py perturbs test rows and checks nothing else moves.
+
+Shapes: B tables, R rows (train rows first, then test rows, then padding), C feature columns, E cell width,
+K CLS tokens per row, D = K*E row width, T = the most train rows of a table in the batch, Y = outputs.
+    values, missing, cat_codes  [B, R, C]
+    x  cells                    [B, R, C, E]
+       down a column            [B, C, R, E]      sequence = rows, keys = the first T rows (masked per table)
+       across a row             [B, R, C, E]      sequence = columns, keys = the real columns
+       row compression          [B, R, C+K, E] -> [B, R, K*E] = [B, R, D]
+    h  row vectors              [B, R, D]         sequence = rows, keys = the first T rows (masked per table)
+    logits                      [B, R, Y]         Y = max_classes, or num_bins for regression
+Tensor-parallel (after `parallelize_model`): inside each stage's blocks the activation is
+[..., S(/d0), E/d1] (or D/d1); everything outside the blocks is replicated. With sequence parallelism the
+stage's sequence (rows, or columns for RowAttention) is split over axis 0, padded to a multiple of d0 with
+tokens that are never keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from tabfm.data.encode import Batch
+from tabfm.parallel import dense
+from tabfm.parallel.layers import gather_activation, shard_activation
+from tabfm.parallel.mesh import TPMesh
+from tabfm.parallel.parallelize import Plan, block_plan, parallelize
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Constructor arguments of TabFM; checkpoints carry them so the model can be rebuilt (STYLE 10)."""
+
+    embed_dim: int = 32
+    """E: width of a cell token (CellEncoder, ColumnAttention, RowAttention, RowCompression)."""
+    axial_num_blocks: int = 2
+    """Axial blocks: each is one ColumnAttention block then one RowAttention block."""
+    axial_heads: int = 4
+    """Attention heads of the axial and row-compression blocks (must divide d0*d1 when tensor-parallel)."""
+    axial_mlp_ratio: int = 2
+    """MLP width of the axial and row-compression blocks, in multiples of E."""
+    row_num_cls: int = 4
+    """K: CLS tokens per row in RowCompression; the row vector has D = K*E features."""
+    icl_num_blocks: int = 4
+    """Blocks of the in-context transformer over rows (where the depth lives)."""
+    icl_heads: int = 4
+    """Attention heads of the in-context transformer."""
+    icl_mlp_ratio: int = 2
+    """MLP width of the in-context blocks, in multiples of D."""
+    max_columns: int = 100
+    """Most feature columns a table may have (one fixed random identity vector per column index)."""
+    column_id_dim: int = 16
+    """Width of the fixed random column-identity vectors, projected to E by a learned linear map."""
+    cat_vocab: int = 256
+    """Shared embedding table of categorical cells: (column, code) is hashed into slots 1..cat_vocab-1; slot 0
+    is a missing category."""
+    max_classes: int = 10
+    """Classes of the classification head; a table may use any 2..max_classes of them."""
+    num_bins: int = 64
+    """Bins of the regression head's distribution over the normalised target."""
+    bin_range: float = 4.0
+    """The regression bins cover [-bin_range, bin_range] standard deviations of the train targets."""
+    value_clip: float = 10.0
+    """Normalised numeric values (and regression targets fed as labels) are clipped to +-value_clip."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{f.name} must be a positive number, got {value!r}")
+            if f.type == "int" and not isinstance(value, int):
+                raise ValueError(f"model.{f.name} must be an integer, got {value!r}")
+        if self.embed_dim % self.axial_heads:
+            raise ValueError(f"model.embed_dim={self.embed_dim} is not divisible by axial_heads={self.axial_heads}")
+        if self.icl_dim % self.icl_heads:
+            raise ValueError(f"the row width D = row_num_cls * embed_dim = {self.icl_dim} is not divisible by "
+                             f"icl_heads={self.icl_heads}")
+        if self.cat_vocab < 2 or self.max_classes < 2 or self.num_bins < 2:
+            raise ValueError("model.cat_vocab, max_classes and num_bins must each be at least 2")
+
+    @property
+    def icl_dim(self) -> int:
+        """D: width of a row vector (K CLS outputs of width E, concatenated)."""
+        return self.row_num_cls * self.embed_dim
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Build from a mapping, rejecting unknown keys with the list of valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys: {', '.join(valid)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> ModelConfig:
+        """A size preset by name (tiny, small, base, large: configs/model/<name>.yaml) or a YAML file."""
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = CONFIG_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            raise ValueError(f"no model config {str(name_or_path)!r}; presets: {', '.join(presets)}, or a .yaml path")
+        return cls.from_dict(yaml.safe_load(path.read_text()) or {})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where the blocks run: one device, or hidden-sharded on a tensor-parallel mesh.
+# ---------------------------------------------------------------------------------------------------------
+
+class Region:
+    """Runs a stage's blocks on [..., S, width] tokens: directly (mesh None), or entering the tensor-parallel
+    region with shard_activation and leaving it with gather_activation. Under sequence parallelism the sequence
+    is padded to a multiple of d0; the padding tokens are never keys, so they change nothing."""
+
+    def __init__(self, mesh: TPMesh | None = None, sequence_parallel: bool = False) -> None:
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+
+    def __call__(self, blocks: nn.Module, x: torch.Tensor, num_kv: int | None,
+                 attn_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.mesh is None:
+            return blocks(x, num_kv=num_kv, attn_mask=attn_mask)
+        s = x.shape[-2]
+        pad = -s % self.mesh.d0 if self.sequence_parallel else 0
+        if pad:
+            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+            num_kv = s if num_kv is None else num_kv
+            if attn_mask is not None and attn_mask.shape[-2] != 1:
+                attn_mask = torch.cat([attn_mask, attn_mask.new_ones(*attn_mask.shape[:-2], pad,
+                                                                     attn_mask.shape[-1])], dim=-2)
+        y = shard_activation(x, self.mesh, self.sequence_parallel)
+        y = blocks(y, num_kv=num_kv, attn_mask=attn_mask)
+        y = gather_activation(y, self.mesh, self.sequence_parallel)
+        return y[..., :s, :] if pad else y
+
+    def __repr__(self) -> str:
+        return "Region(plain)" if self.mesh is None else f"Region({self.mesh}, sp={self.sequence_parallel})"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------
+
+def train_rows(n_train: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[B, R] bool: True on the train rows of each table."""
+    return torch.arange(num_rows, device=n_train.device) < n_train[:, None]
+
+
+def train_stats(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of x [B, R, ...] over rows (dim 1), weighting each row by `weight` (0/1)."""
+    n = weight.sum(1, keepdim=True).clamp_min(1)
+    mean = (x * weight).sum(1, keepdim=True) / n
+    var = ((x - mean).square() * weight).sum(1, keepdim=True) / n
+    return mean, (var + eps).sqrt()
+
+
+class CellEncoder(nn.Module):
+    """One token per cell: numeric -> linear(normalised value, missing flag); categorical -> embedding of its
+    (column, code) hashed into a shared table; plus a projected fixed random identity vector per column index.
+    Numeric values are normalised per column with the mean and deviation of the table's train rows only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.value_proj = nn.Linear(2, cfg.embed_dim)
+        self.cat_embed = nn.Embedding(cfg.cat_vocab, cfg.embed_dim)
+        ids = torch.randn(cfg.max_columns, cfg.column_id_dim, generator=torch.Generator().manual_seed(0))
+        self.register_buffer("column_ids", ids)  # fixed, not learned: breaks the symmetry between columns
+        self.column_proj = nn.Linear(cfg.column_id_dim, cfg.embed_dim)
+
+    def category_slots(self, cat_codes: torch.Tensor) -> torch.Tensor:
+        """[B, R, C] codes -> slots of the shared table: 0 for a missing category, else hash(column, code)."""
+        col = torch.arange(cat_codes.shape[-1], device=cat_codes.device)
+        h = (cat_codes * 1_000_003 + col * 7_919) % (self.cfg.cat_vocab - 1) + 1
+        return torch.where(cat_codes < 0, 0, h)
+
+    def forward(self, values: torch.Tensor, missing: torch.Tensor, cat_codes: torch.Tensor, is_cat: torch.Tensor,
+                n_train: torch.Tensor) -> torch.Tensor:
+        B, R, C = values.shape
+        if C > self.cfg.max_columns:
+            raise ValueError(f"the table has {C} columns but the model takes at most max_columns="
+                             f"{self.cfg.max_columns}; drop columns or use a model with more")
+        dtype = self.value_proj.weight.dtype
+        values, observed = values.to(dtype), (~missing).to(dtype)
+        weight = train_rows(n_train, R)[:, :, None].to(dtype) * observed       # [B, R, C]: observed train cells
+        mean, std = train_stats(values, weight)                                  # [B, 1, C]
+        z = ((values - mean) / std).clamp(-self.cfg.value_clip, self.cfg.value_clip) * observed
+        numeric = self.value_proj(torch.stack([z, 1 - observed], dim=-1))       # [B, R, C, E]
+        categorical = self.cat_embed(self.category_slots(cat_codes))            # [B, R, C, E]
+        x = torch.where(is_cat[:, None, :, None], categorical, numeric)
+        return x + self.column_proj(self.column_ids[:C])
+
+
+class ColumnAttention(nn.Module):
+    """Attention down each column, across rows: every cell attends to the cells of its column in the train
+    rows (keys/values = the first T rows, masked per table), then an MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+
+    def forward(self, x: torch.Tensor, kv_mask: torch.Tensor, region: Region) -> torch.Tensor:
+        # x [B, R, C, E]; kv_mask [B, T] True on train rows.
+        cols = x.transpose(1, 2)                                                 # [B, C, R, E]
+        cols = region(self.block, cols, kv_mask.shape[1], kv_mask[:, None, None, :])
+        return cols.transpose(1, 2)
+
+
+class RowAttention(nn.Module):
+    """Attention across the columns of each row: every cell attends to the real (not padding) cells of its
+    row, then an MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+
+    def forward(self, x: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
+        return region(self.block, x, None, ~col_pad[:, None, None, :])          # [B, R, C, E]
+
+
+class AxialBlock(nn.Module):
+    """Down the columns, then across the rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.column = ColumnAttention(cfg)
+        self.row = RowAttention(cfg)
+
+    def forward(self, x: torch.Tensor, kv_mask: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
+        return self.row(self.column(x, kv_mask, region), col_pad, region)
+
+
+class RowCompression(nn.Module):
+    """K learned CLS tokens are appended to each row's cells and attend to the real cells (keys = the first C
+    tokens); their K outputs, concatenated, are the row's vector [B, R, K*E]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(cfg.row_num_cls, cfg.embed_dim) * 0.02)
+        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+
+    def forward(self, x: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
+        B, R, C, E = x.shape
+        seq = torch.cat([x, self.cls.expand(B, R, -1, -1)], dim=2)             # [B, R, C+K, E]
+        out = region(self.block, seq, C, ~col_pad[:, None, None, :])
+        return out[:, :, C:, :].flatten(-2)                                     # [B, R, K*E]
+
+
+class ICLearning(nn.Module):
+    """In-context transformer over row vectors: train rows get their label's embedding added (a class
+    embedding, or a linear map of the normalised regression target); every row attends to the train rows only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.class_embed = nn.Embedding(cfg.max_classes, cfg.icl_dim)
+        self.target_proj = nn.Linear(1, cfg.icl_dim)
+        self.blocks = dense.BlockStack(cfg.icl_num_blocks, cfg.icl_dim, cfg.icl_heads, cfg.icl_mlp_ratio)
+        self.out_norm = nn.LayerNorm(cfg.icl_dim)
+
+    def forward(self, h: torch.Tensor, label_embedding: torch.Tensor, kv_mask: torch.Tensor,
+                region: Region) -> torch.Tensor:
+        # h, label_embedding [B, R, D] (zero on test and padding rows); kv_mask [B, T].
+        h = region(self.blocks, h + label_embedding, kv_mask.shape[1], kv_mask[:, None, :])
+        return self.out_norm(h)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------
+
+class TabFM(nn.Module):
+    """Cells -> axial blocks -> row compression -> in-context transformer -> classification or regression head.
+
+    forward(batch) gives logits [B, R, Y] for every row (only test rows are meaningful);
+    loss(batch) is the cross-entropy over the test rows (padding ignored).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.cells = CellEncoder(cfg)
+        self.axial = nn.ModuleList(AxialBlock(cfg) for _ in range(cfg.axial_num_blocks))
+        self.compress = RowCompression(cfg)
+        self.icl = ICLearning(cfg)
+        self.class_head = nn.Linear(cfg.icl_dim, cfg.max_classes)
+        self.bin_head = nn.Linear(cfg.icl_dim, cfg.num_bins)
+        self.region = Region()  # set by parallelize_model; not a module, not in the state dict
+
+    # -- targets -------------------------------------------------------------------------------------------
+
+    def target_stats(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and deviation [B, 1] of each table's regression targets over its train rows."""
+        dtype = self.bin_head.weight.dtype
+        weight = train_rows(batch.n_train, batch.labels.shape[1]).to(dtype)
+        return train_stats(batch.labels.to(dtype), weight)
+
+    def bin_edges(self) -> torch.Tensor:
+        """[num_bins + 1] edges of the regression bins over the normalised target."""
+        w = self.bin_head.weight
+        return torch.linspace(-self.config.bin_range, self.config.bin_range, self.config.num_bins + 1,
+                              dtype=w.dtype, device=w.device)
+
+    def _label_embedding(self, batch: Batch, train: torch.Tensor) -> torch.Tensor:
+        if batch.task == "classification":
+            if int(batch.n_classes.max()) > self.config.max_classes:
+                raise ValueError(f"a table has {int(batch.n_classes.max())} classes; the model takes at most "
+                                 f"max_classes={self.config.max_classes}")
+            emb = self.icl.class_embed(batch.labels.clamp(0, self.config.max_classes - 1))
+        elif batch.task == "regression":
+            mean, std = self.target_stats(batch)
+            z = ((batch.labels.to(mean.dtype) - mean) / std).clamp(-self.config.value_clip, self.config.value_clip)
+            emb = self.icl.target_proj(z.unsqueeze(-1))
+        else:
+            raise ValueError(f"unknown task {batch.task!r}; use 'classification' or 'regression'")
+        return emb * train.unsqueeze(-1).to(emb.dtype)
+
+    # -- forward -------------------------------------------------------------------------------------------
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        B, R, C = batch.values.shape
+        n_train = batch.n_train
+        if int(n_train.min()) < 1:
+            raise ValueError("every table needs at least one train row (n_train >= 1)")
+        T = int(n_train.max())
+        kv_mask = train_rows(n_train, T)                                         # [B, T]
+        x = self.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, n_train)  # [B, R, C, E]
+        for block in self.axial:
+            x = block(x, kv_mask, batch.col_pad, self.region)
+        h = self.compress(x, batch.col_pad, self.region)                        # [B, R, D]
+        h = self.icl(h, self._label_embedding(batch, train_rows(n_train, R)), kv_mask, self.region)
+        if batch.task == "regression":
+            return self.bin_head(h)                                              # [B, R, num_bins]
+        logits = self.class_head(h)                                              # [B, R, max_classes]
+        unused = torch.arange(self.config.max_classes, device=h.device) >= batch.n_classes[:, None, None]
+        return logits.masked_fill(unused, torch.finfo(logits.dtype).min)
+
+    def test_mask(self, batch: Batch) -> torch.Tensor:
+        """[B, R] bool: the rows the loss and the predictions are about (test rows, not padding)."""
+        return ~train_rows(batch.n_train, batch.labels.shape[1]) & ~batch.row_pad
+
+    def loss(self, batch: Batch, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy over the test rows: class labels, or the bin of the normalised target."""
+        logits = self(batch) if logits is None else logits
+        test = self.test_mask(batch)
+        if batch.task == "regression":
+            mean, std = self.target_stats(batch)
+            z = ((batch.labels.to(mean.dtype) - mean) / std).clamp(-self.config.bin_range, self.config.bin_range)
+            target = torch.bucketize(z, self.bin_edges()[1:-1]).clamp(0, self.config.num_bins - 1)
+        else:
+            target = batch.labels.long()
+        return F.cross_entropy(logits[test], target[test])
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """[B, R]: the predicted class, or the mean of the predicted target distribution (in target units)."""
+        logits = self(batch)
+        if batch.task == "classification":
+            return logits.argmax(-1)
+        return self.regression_mean(batch, logits)
+
+    def regression_mean(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        """Mean of the binned distribution [B, R], mapped back to target units with the train-row statistics."""
+        edges = self.bin_edges()
+        centers = (edges[:-1] + edges[1:]) / 2
+        mean, std = self.target_stats(batch)
+        return (logits.softmax(-1) @ centers) * std + mean
+
+    def regression_quantiles(self, batch: Batch, logits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Quantiles q [Q] of the binned distribution [B, R, Q] in target units (uniform density inside a bin)."""
+        edges = self.bin_edges()
+        cdf = torch.cat([torch.zeros_like(logits[..., :1]), logits.softmax(-1).cumsum(-1)], -1)  # [B, R, n+1]
+        q = q.to(cdf).expand(*cdf.shape[:-1], -1).contiguous()
+        k = torch.searchsorted(cdf, q).clamp(1, self.config.num_bins)       # the bin whose CDF span holds q
+        lo, hi = cdf.gather(-1, k - 1), cdf.gather(-1, k)
+        frac = ((q - lo) / (hi - lo).clamp_min(1e-12)).clamp(0, 1)
+        z = edges[k - 1] + frac * (edges[k] - edges[k - 1])
+        mean, std = self.target_stats(batch)
+        return z * std[..., None] + mean[..., None]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor parallelism: which modules become ATP layers, and running the model on a mesh
+# ---------------------------------------------------------------------------------------------------------
+
+def tp_plan(model: TabFM) -> Plan:
+    """The parallelize plan: attention, MLP and both norms of the blocks of every stage. The cell encoder, label
+    embeddings, output norm and heads stay replicated (they run outside the blocks)."""
+    plan: Plan = {}
+    for prefix in ("axial.*.column.block", "axial.*.row.block", "compress.block", "icl.blocks"):
+        plan.update(block_plan(prefix))
+    return plan
+
+
+def parallelize_model(model: TabFM, mesh: TPMesh | None, sequence_parallel: bool = False) -> TabFM:
+    """Swap the blocks of every stage for ATP layers on `mesh` (in place) and run them there; parameter names
+    stay the plain model's. A mesh of None or 1x1 leaves the model plain."""
+    if mesh is None or mesh.tp == 1:
+        model.region = Region()
+        return model
+    parallelize(model, mesh, tp_plan(model), sequence_parallel=sequence_parallel)
+    model.region = Region(mesh, sequence_parallel)
+    return model
+
+
+def build_model(cfg: ModelConfig | str, seed: int = 0) -> TabFM:
+    """A freshly initialised model, the same on every rank for a given seed."""
+    cfg = ModelConfig.load(cfg) if isinstance(cfg, str) else cfg
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TabFM(cfg)

@@ -1,0 +1,151 @@
+"""Run configs (YAML, --set overrides, unknown keys) and the pretraining loop: schedule, a resumed run equal to an
+uninterrupted one, 2x2 tensor-parallel training equal to one process (float64), data-parallel replicas in step,
+and the torchrun entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_harness import get_mesh
+from safetensors.torch import load_file
+
+from tabfm import checkpoint as ckpt
+from tabfm.config import OptimConfig, RunConfig, dump_config, from_dict, load_config
+from tabfm.model import ModelConfig
+from tabfm.parallel.mesh import LayoutError
+from tabfm.pretrain import latest_checkpoint, lr_at, main, train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
+
+
+def tiny_cfg(out_dir: Path, *extra: str) -> RunConfig:
+    return load_config(TINY, [f"train.out_dir={out_dir}", "train.progress=false", "data.batch_size=2",
+                              "data.table.max_rows=40", *extra])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+def test_file_then_overrides_then_defaults(tmp_path):
+    cfg = load_config(TINY, ["optim.lr=3e-4", "model.embed_dim=32", "data.table.max_rows=48"])
+    assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_steps == 5       # --set, then the file
+    assert cfg.optim.beta2 == OptimConfig().beta2                       # default
+    assert cfg.model.embed_dim == 32 and cfg.model.icl_num_blocks == ModelConfig.load("tiny").icl_num_blocks
+    assert cfg.data.table.max_rows == 48 and cfg.data.table.min_features == 2
+    assert load_config(None, ["model.preset=base"]).model == ModelConfig.load("base")
+    assert load_config(None, []).model == ModelConfig.load("small")
+
+
+def test_unknown_keys_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="unknown config key optim.lrr; valid keys of optim: lr, min_lr_ratio"):
+        load_config(TINY, ["optim.lrr=1"])
+    with pytest.raises(ValueError, match="unknown config key trian; valid keys: model, data, optim, parallel, train"):
+        load_config(None, ["trian.steps=3"])
+    with pytest.raises(ValueError, match="unknown config key model.width; valid keys of model: embed_dim"):
+        load_config(None, ["model.width=3"])
+    with pytest.raises(ValueError, match="train.steps must be an integer, got 'many'"):
+        load_config(None, ["train.steps=many"])
+    with pytest.raises(ValueError, match="section.key=value"):
+        load_config(None, ["optim.lr"])
+
+
+def test_dumped_config_loads_back_equal(tmp_path):
+    cfg = load_config(TINY, ["data.prior.scm.edge_prob={type: Uniform, low: 0.2, high: 0.4}"])
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+    assert from_dict(RunConfig, json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    o = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, o, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(19, o, 20) == pytest.approx(0.1)
+    lrs = [lr_at(s, o, 20) for s in range(3, 20)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    a = tiny_cfg(tmp_path / "a", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")
+    full = train(a)
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lines] == [r["loss"] for r in full]
+    # Another run starts from a's step-2 checkpoint, as if a had crashed there.
+    b_ckpts = tmp_path / "b" / "checkpoints"
+    b_ckpts.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_0000002", b_ckpts / "step_0000002")
+    resumed = train(tiny_cfg(tmp_path / "b", "train.steps=4", "train.checkpoint_every=2"), resume="auto")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+    ma = load_file(ckpt.merge(tmp_path / "a" / "checkpoints" / "step_0000004", tmp_path / "a.safetensors"))
+    mb = load_file(ckpt.merge(latest_checkpoint(tmp_path / "b"), tmp_path / "b.safetensors"))
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_layout_that_needs_more_processes_is_refused(tmp_path):
+    with pytest.raises(LayoutError, match="needs 4 processes but 1 were started"):
+        train(tiny_cfg(tmp_path, "parallel.d0=2", "parallel.d1=2"))
+
+
+def test_main_reports_config_errors(capsys):
+    assert main(["--config", str(TINY), "--set", "optim.lrr=1"]) == 2
+    assert "valid keys of optim" in capsys.readouterr().err
+
+
+def _run_on_mesh(out_dir: str, d0: int, d1: int, dp: int, sp: bool) -> dict:
+    cfg = tiny_cfg(Path(out_dir), "train.steps=2", "train.checkpoint_every=0", "train.dtype=float64", "optim.grad_clip=0.1",
+                   f"parallel.d0={d0}", f"parallel.d1={d1}", f"parallel.dp={dp}", f"parallel.sequence_parallel={sp}")
+    records = train(cfg, mesh=get_mesh(d0, d1, dp))
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
+
+
+def test_tensor_parallel_training_equals_one_process(ranks, tmp_path):
+    """2x2 with sequence parallelism, float64, clipping active every step (the global norm spans the shards)."""
+    ref = _run_on_mesh(str(tmp_path / "ref"), 1, 1, 1, False)
+    assert min(ref["norms"]) > 0.1
+    for r in ranks(4).run(_run_on_mesh, str(tmp_path / "tp"), 2, 2, 1, True):
+        for key in ("losses", "norms"):
+            err = max(abs(a - b) / abs(b) for a, b in zip(r[key], ref[key], strict=True))
+            assert err <= 1e-9, (key, r[key], ref[key])
+    manifest = ckpt.verify_checkpoint(tmp_path / "tp" / "checkpoints" / "step_0000002")
+    assert manifest["layout"] == {"d0": 2, "d1": 2, "dp": 1}
+
+
+def _replica_params(out_dir: str) -> dict:
+    cfg = tiny_cfg(Path(out_dir), "train.steps=2", "train.checkpoint_every=0", "parallel.d1=2", "parallel.dp=2")
+    records = train(cfg, mesh=get_mesh(1, 2, 2))
+    return {"losses": [r["loss"] for r in records]}
+
+
+def test_data_parallel_replicas_stay_in_step(ranks, tmp_path):
+    results = ranks(4).run(_replica_params, str(tmp_path / "dp"))
+    assert all(r["losses"] == results[0]["losses"] for r in results)  # the loss is averaged over replicas
+    # Replica 1 never wrote; replica 0's two files load as a 1x2 checkpoint.
+    manifest = ckpt.verify_checkpoint(tmp_path / "dp" / "checkpoints" / "step_0000002")
+    assert manifest["layout"] == {"d0": 1, "d1": 2, "dp": 2} and len(manifest["files"]) == 2
+
+
+def test_torchrun_entry_point(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tabfm.pretrain", "--config", str(TINY), "--set", f"train.out_dir={tmp_path}", "train.steps=2",
+           "parallel.d1=2", "train.progress=false", "data.batch_size=2", "data.table.max_rows=40"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert ckpt.verify_checkpoint(latest_checkpoint(tmp_path))["layout"]["d1"] == 2
