@@ -1,0 +1,157 @@
+"""`tabfm pretrain`, `tabfm ckpt merge | reshard | verify` and `tabfm plot-run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tabfm._cli_demo import parse_layout
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("pretrain", help="pretrain on the synthetic prior (launches torchrun for --nproc > 1)")
+    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (dp * d0 * d1)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failed rank")
+    p.add_argument("--config", help="YAML run config (configs/pretrain/*.yaml)")
+    p.add_argument("--set", nargs="+", default=[], metavar="A.B=C", help="override config fields")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|DIR")
+    p.set_defaults(run=_pretrain)
+
+    ckpt = subparsers.add_parser("ckpt", help="merge, re-split or verify a sharded checkpoint")
+    sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    m = sub.add_parser("merge", help="all rank shards -> one safetensors file of the plain model")
+    m.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/small/checkpoints/step-000250")
+    m.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    m.set_defaults(run=_merge)
+    r = sub.add_parser("reshard", help="re-split a checkpoint for another layout")
+    r.add_argument("checkpoint")
+    r.add_argument("--layout", type=parse_layout, required=True, help="the new tensor-parallel mesh d0xd1")
+    r.add_argument("-o", "--output", required=True, help="the checkpoint folder to write")
+    r.set_defaults(run=_reshard)
+    v = sub.add_parser("verify", help="check a checkpoint's manifest, shapes and checksums")
+    v.add_argument("checkpoint")
+    v.set_defaults(run=_verify)
+
+    plot = subparsers.add_parser("plot-run", help="draw a run's loss and evaluation curves to PNG")
+    plot.add_argument("run_dir", help="the run's out_dir (holds metrics.jsonl)")
+    plot.add_argument("-o", "--output", help="PNG path (default RUN_DIR/curves.png)")
+    plot.set_defaults(run=_plot_run)
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    forwarded = (["--config", args.config] if args.config else []) + (["--set", *args.set] if args.set else [])
+    if args.resume is not None:
+        forwarded += ["--resume", args.resume]
+    if args.nproc == 1 and args.max_restarts == 0:
+        from tabfm import pretrain
+
+        return pretrain.main(forwarded)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+           "--max-restarts", str(args.max_restarts), "-m", "tabfm.pretrain", *forwarded]
+    if args.max_restarts and args.resume is None:
+        cmd += ["--resume", "auto"]  # a restarted rank must continue from the last checkpoint
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from tabfm import checkpoint
+
+    try:
+        out = checkpoint.merge(args.checkpoint, args.output)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"merged {args.checkpoint} -> {out}")
+    return 0
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from tabfm import checkpoint
+
+    d0, d1 = args.layout
+    try:
+        out = checkpoint.reshard(args.checkpoint, d0, d1, args.output)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"resharded {args.checkpoint} to {d0}x{d1} -> {out}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from tabfm import checkpoint
+
+    try:
+        manifest = checkpoint.verify_checkpoint(args.checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"{args.checkpoint}: ok (step {manifest.get('step')}, layout {manifest.get('layout')})")
+    return 0
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """A run's training lines and evaluation lines from metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a pretraining run's out_dir?")
+    train, evals = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            (evals if "eval" in record else train).append(record)
+    return train, evals
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Loss per task (smoothed), learning rate, and evaluation metrics against the step, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    train, evals = read_metrics(run_dir)
+    if not train:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no training lines yet")
+    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(15 if evals else 10, 4))
+    for task in sorted({r.get("task", "all") for r in train}):
+        rows = [r for r in train if r.get("task", "all") == task]
+        steps, loss = np.array([r["step"] for r in rows]), np.array([r["loss"] for r in rows])
+        axes[0].plot(steps, loss, alpha=0.25)
+        window = max(1, len(loss) // 20)
+        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        axes[0].plot(steps[window - 1:], smooth, label=f"{task} (moving mean of {window})")
+    axes[0].set(xlabel="step", ylabel="training loss", title="loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+    axes[1].set(xlabel="step", ylabel="learning rate", title="schedule")
+    if evals:
+        steps = [r["step"] for r in evals]
+        for key in ("mean_roc_auc", "mean_accuracy", "mean_log_loss"):
+            if key in evals[0]["eval"]:
+                axes[2].plot(steps, [r["eval"][key] for r in evals], marker="o", label=key)
+        axes[2].set(xlabel="step", title="evaluation on real tables")
+        axes[2].legend()
+    fig.suptitle(f"tabfm run {run_dir}")
+    fig.tight_layout()
+    out = Path(output) if output else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _plot_run(args: argparse.Namespace) -> int:
+    try:
+        out = plot_run(args.run_dir, args.output)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    print(f"wrote {out}")
+    return 0
