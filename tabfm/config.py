@@ -98,10 +98,20 @@ class TrainConfig:
     """Checkpoints kept on disk (older ones are deleted); 0 keeps all."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
+    eval_every: int = 0
+    """Evaluate on the real tables `eval_tables` every this many steps (and at the last step); 0 turns it off.
+    Rank 0 appends {"step", "eval": {mean_roc_auc, mean_log_loss, mean_accuracy, tables}} to metrics.jsonl."""
+    eval_tables: tuple[str, ...] = ("skl_iris", "skl_breast_cancer", "penguins_species", "mass_crabs_species",
+                                    "skl_wine")
+    """Classification tables of benchmarks/datasets to evaluate on (fold 0 = test rows, the rest = train rows)."""
+    eval_max_train_rows: int = 512
+    """Train (context) rows of an evaluation table are subsampled, deterministically, to at most this many."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
             raise ValueError("train: need steps >= 1, log_every >= 1, checkpoint_every >= 0, keep_checkpoints >= 0")
+        if self.eval_every < 0 or self.eval_max_train_rows < 1:
+            raise ValueError("train: need eval_every >= 0 (0 = off) and eval_max_train_rows >= 1")
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"train.dtype={self.dtype!r}; use float32, float64 or bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):

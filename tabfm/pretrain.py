@@ -7,7 +7,15 @@ warmup then cosine decay; the global gradient norm is computed over all shards (
 before clipping. Rank 0 shows a tqdm bar and appends one JSON line per logged step to <out_dir>/metrics.jsonl.
 A checkpoint folder is written every `train.checkpoint_every` steps under <out_dir>/checkpoints/, and
 `--resume auto` (the latest one) or `--resume DIR` continues a run exactly: same batches, optimizer state and
-schedule, so the losses are those of an uninterrupted run.
+schedule, so the losses are those of an uninterrupted run. That also holds under
+`torchrun --max-restarts N ... --resume auto`: restarted workers continue from the latest checkpoint.
+
+The layout is checked before any process group is created: dp * d0 * d1 must equal WORLD_SIZE and (d0, d1) must
+divide the model's heads and widths; otherwise main exits with status 2 and lists the layouts that fit.
+
+With `train.eval_every` > 0 the model is evaluated on a few real tables (tabfm.evaluate) every that many steps and
+at the end; rank 0 appends {"step": s, "eval": {...}} to metrics.jsonl. Evaluation draws no random numbers from
+the training streams and changes no batch, so resumed runs stay exact with it on.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +39,13 @@ from tqdm import tqdm
 
 from tabfm import checkpoint as ckpt
 from tabfm.config import OptimConfig, RunConfig, dump_config, load_config
+from tabfm.data.encode import Batch
 from tabfm.data.loader import make_loader
-from tabfm.model import TabFM, build_model, parallelize_model
+from tabfm.evaluate import evaluate, load_tables
+from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
 from tabfm.parallel.comm import all_reduce
-from tabfm.parallel.mesh import ParallelDims, TPMesh
-from tabfm.parallel.parallelize import shard_specs
+from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh, factorizations
+from tabfm.parallel.parallelize import check_layout, layout_problems, shard_specs
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -82,6 +94,52 @@ def average_over_replicas(model: TabFM, mesh: TPMesh) -> None:
         offset += g.numel()
 
 
+def train_step(model: TabFM, optimizer: torch.optim.Optimizer, batch: Batch, mesh: TPMesh, lr: float,
+               cfg: OptimConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step at learning rate `lr`: loss, backward, replica averaging, global-norm clipping, AdamW.
+    Returns (loss, global gradient norm before clipping)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model.loss(batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    average_over_replicas(model, mesh)
+    norm = global_grad_norm(model, mesh)
+    if cfg.grad_clip and norm > cfg.grad_clip:
+        scale = cfg.grad_clip / (float(norm) + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    optimizer.step()
+    return loss, norm
+
+
+FAULT_ENV = "TABFM_FAULT_AT_STEP"
+"""Test-only fault injection: when set to a step index, rank TABFM_FAULT_RANK (default 1) SIGKILLs itself just
+before running that step, once per out_dir (the marker file FAULT_MARKER records that it fired)."""
+FAULT_MARKER = "fault_fired"
+
+
+def _maybe_fault(step: int, out_dir: Path) -> None:
+    at = os.environ.get(FAULT_ENV)
+    if at is None or int(at) != step:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != int(os.environ.get("TABFM_FAULT_RANK", "1")):
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker = out_dir / FAULT_MARKER
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # fire once, even across restarts
+    except FileExistsError:
+        return
+    os.write(fd, f"rank {rank} killed itself before step {step}\n".encode())
+    os.fsync(fd)
+    os.close(fd)
+    print(f"{FAULT_ENV}: rank {rank} kills itself before step {step}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _device(cfg: RunConfig) -> torch.device:
     want = cfg.train.device
     if want == "auto":
@@ -118,6 +176,38 @@ def _after_save(ckpt_root: Path, name: str, keep: int) -> None:
         done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def fitting_layouts(model_cfg: ModelConfig, world_size: int) -> list[ParallelDims]:
+    """Every dp x d0 x d1 layout of `world_size` processes whose tensor-parallel mesh fits the model's shapes."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = TabFM(model_cfg)
+    plan = tp_plan(model)
+    out = []
+    for dp in range(1, world_size + 1):
+        if world_size % dp == 0:
+            out += [ParallelDims(d0, d1, dp) for d0, d1 in factorizations(world_size // dp)
+                    if not layout_problems(model, plan, d0, d1)]
+    return out
+
+
+def check_run_layout(cfg: RunConfig, world_size: int) -> None:
+    """Raise LayoutError (listing the layouts that fit) when the configured layout can't run on `world_size`
+    processes or doesn't divide the model's heads and widths. Needs no process group."""
+    p = cfg.parallel
+    dims = ParallelDims(p.d0, p.d1, p.dp)
+    fits = ", ".join(f"dp={d.dp} x {d.d0}x{d.d1}" for d in fitting_layouts(cfg.model, world_size)) or "none"
+    hint = f". Layouts of {world_size} process{'es' if world_size > 1 else ''} that fit this model: {fits}"
+    try:
+        dims.check_world_size(world_size)
+    except LayoutError as e:
+        raise LayoutError(f"{e}{hint}") from None
+    with torch.device("meta"):
+        model = TabFM(cfg.model)
+    try:
+        check_layout(model, tp_plan(model), p.d0, p.d1)
+    except LayoutError as e:
+        raise LayoutError(f"{e}{hint}") from None
 
 
 def _trim_metrics(path: Path, step: int) -> None:
@@ -159,6 +249,12 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     if start >= cfg.train.steps:
         return []
 
+    eval_tables: list = []
+    if cfg.train.eval_every:
+        eval_tables, notes = load_tables(cfg.train.eval_tables, cfg.train.eval_max_train_rows, model_cfg=cfg.model)
+        if rank0:
+            for note in notes:
+                print(f"evaluation skips {note}", file=sys.stderr)
     total = cfg.train.steps
     loader = make_loader(cfg.data, dp_rank=mesh.dp_axis.index, start_step=start, num_steps=total - start,
                          pin_memory=device.type == "cuda")
@@ -167,22 +263,12 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     records: list[dict[str, Any]] = []
     tic = time.perf_counter()
     model.train()
+    postfix: dict[str, str] = {}
     for step, batch in zip(range(start, total), loader, strict=False):
+        _maybe_fault(step, out_dir)
         batch = batch.to(device)
         lr = lr_at(step, o, total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = model.loss(batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        average_over_replicas(model, mesh)
-        norm = global_grad_norm(model, mesh)
-        if o.grad_clip and norm > o.grad_clip:
-            scale = o.grad_clip / (float(norm) + 1e-6)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        optimizer.step()
+        loss, norm = train_step(model, optimizer, batch, mesh, lr, o)
 
         done = step + 1
         loss_value = loss.detach().double().reshape(1)
@@ -194,10 +280,20 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
         tic = time.perf_counter()
         if rank0:
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+            postfix.update(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
             if done % cfg.train.log_every == 0 or done == total:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
+        if eval_tables and (done % cfg.train.eval_every == 0 or done == total):
+            # Before the checkpoint: a run resumed from it never repeats this evaluation, so it must be on disk.
+            result = evaluate(model, eval_tables, mesh)  # every rank of the mesh takes part
+            if rank0 and result is not None:
+                record["eval"] = result
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": done, "eval": result}) + "\n")
+                postfix.update(auc=f"{result['mean_roc_auc']:.3f}", acc=f"{result['mean_accuracy']:.3f}")
+        if rank0:
+            bar.set_postfix(postfix)
         every = cfg.train.checkpoint_every
         if (every and done % every == 0) or done == total:
             name = f"step_{done:07d}"
@@ -210,6 +306,20 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
                 dist.barrier()
     bar.close()
     return records
+
+
+def _init_process_group(backend: str) -> None:
+    """init_process_group from torchrun's environment. Under torchrun's agent store, each restart attempt gets
+    keys of its own: the agent keeps one store across `--max-restarts` attempts, and a restarted rank could
+    otherwise read the address a dead worker of the previous attempt published (and fail to connect to it)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"tabfm/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,12 +345,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(cfg), end="")
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # before any process group: a wrong layout is a config error, not a hang or a traceback per rank
+        check_run_layout(cfg, world)
+    except LayoutError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     started = False
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if _device(cfg).type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        _init_process_group(backend)
         started = True
     try:
         train(cfg, resume=args.resume)

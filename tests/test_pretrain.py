@@ -1,18 +1,26 @@
-"""Run configs (YAML, --set overrides, unknown keys) and the pretraining loop: schedule, a resumed run equal to an
-uninterrupted one, 2x2 tensor-parallel training equal to one process (float64), data-parallel replicas in step,
-and the torchrun entry point."""
+"""Run configs (YAML, --set overrides, unknown keys, layouts refused before any process group) and the pretraining
+loop: schedule, a resumed run equal to an uninterrupted one (evaluation on), 2x2 tensor-parallel training equal to
+one process (float64), data-parallel replicas in step, the torchrun entry point, and `torchrun --max-restarts`
+recovering from a killed rank with the losses of an uninterrupted run.
+
+Every subprocess runs with a timeout and is killed on the way out with all its descendants: torchrun starts its
+workers in sessions of their own, so they are found by an environment token they inherit, not by process group."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_harness import get_mesh
 from safetensors.torch import load_file
 
@@ -20,7 +28,7 @@ from tabfm import checkpoint as ckpt
 from tabfm.config import OptimConfig, RunConfig, dump_config, from_dict, load_config
 from tabfm.model import ModelConfig
 from tabfm.parallel.mesh import LayoutError
-from tabfm.pretrain import latest_checkpoint, lr_at, main, train
+from tabfm.pretrain import FAULT_ENV, FAULT_MARKER, latest_checkpoint, lr_at, main, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
@@ -78,19 +86,36 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 # The loop
 # ---------------------------------------------------------------------------------------------------------
 
+def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(training lines, evaluation lines) of <out_dir>/metrics.jsonl."""
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "loss" in r], [r for r in lines if "eval" in r]
+
+
+EVAL = ("train.eval_every=2", "train.eval_tables=[skl_iris,mass_crabs_species]")
+
+
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
-    a = tiny_cfg(tmp_path / "a", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")
+    """With evaluation on (every 2 steps): it changes neither the batches nor the RNG streams."""
+    a = tiny_cfg(tmp_path / "a", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0", *EVAL)
     full = train(a)
     assert [r["step"] for r in full] == [1, 2, 3, 4]
-    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lines, evals = read_metrics(tmp_path / "a")
     assert [r["loss"] for r in lines] == [r["loss"] for r in full]
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert set(e["eval"]["tables"]) == {"skl_iris", "mass_crabs_species"}
+        assert 0 <= e["eval"]["mean_roc_auc"] <= 1 and 0 <= e["eval"]["mean_accuracy"] <= 1
+        assert 0 < e["eval"]["mean_log_loss"] < 50
+    assert full[3]["eval"] == evals[1]["eval"]
     # Another run starts from a's step-2 checkpoint, as if a had crashed there.
     b_ckpts = tmp_path / "b" / "checkpoints"
     b_ckpts.mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_0000002", b_ckpts / "step_0000002")
-    resumed = train(tiny_cfg(tmp_path / "b", "train.steps=4", "train.checkpoint_every=2"), resume="auto")
+    resumed = train(tiny_cfg(tmp_path / "b", "train.steps=4", "train.checkpoint_every=2", *EVAL), resume="auto")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+    assert read_metrics(tmp_path / "b")[1] == evals[1:]  # the same weights evaluate the same
     ma = load_file(ckpt.merge(tmp_path / "a" / "checkpoints" / "step_0000004", tmp_path / "a.safetensors"))
     mb = load_file(ckpt.merge(latest_checkpoint(tmp_path / "b"), tmp_path / "b.safetensors"))
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
@@ -104,6 +129,27 @@ def test_layout_that_needs_more_processes_is_refused(tmp_path):
 def test_main_reports_config_errors(capsys):
     assert main(["--config", str(TINY), "--set", "optim.lrr=1"]) == 2
     assert "valid keys of optim" in capsys.readouterr().err
+
+
+def test_main_refuses_a_layout_that_does_not_match_the_world_size(monkeypatch, capsys, tmp_path):
+    """Before any process group: WORLD_SIZE=4 but the layout has 2 ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--config", str(TINY), "--set", f"train.out_dir={tmp_path}", "parallel.d0=2"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: layout dp=1 x 2x1 needs 2 processes but 4 were started" in err
+    assert "Layouts of 4 processes that fit this model: dp=1 x 1x4, dp=1 x 2x2, dp=1 x 4x1, dp=2 x 1x2" in err
+    assert not dist.is_initialized() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_main_refuses_a_layout_that_does_not_divide_the_model(monkeypatch, capsys, tmp_path):
+    """3 ranks can't split the tiny model's 4 heads and 16-wide cells: only 3 data-parallel replicas fit."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["--config", str(TINY), "--set", f"train.out_dir={tmp_path}", "parallel.d1=3"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: layout 1x3 does not fit the model: " in err
+    assert "4 attention heads are not divisible by d0*d1=3" in err
+    assert "Layouts of 3 processes that fit this model: dp=3 x 1x1" in err
+    assert not dist.is_initialized()
 
 
 def _run_on_mesh(out_dir: str, d0: int, d1: int, dp: int, sp: bool) -> dict:
@@ -139,13 +185,88 @@ def test_data_parallel_replicas_stay_in_step(ranks, tmp_path):
     assert manifest["layout"] == {"d0": 1, "d1": 2, "dp": 2} and len(manifest["files"]) == 2
 
 
-def test_torchrun_entry_point(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tabfm.pretrain", "--config", str(TINY), "--set", f"train.out_dir={tmp_path}", "train.steps=2",
-           "parallel.d1=2", "train.progress=false", "data.batch_size=2", "data.table.max_rows=40"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+# ---------------------------------------------------------------------------------------------------------
+# torchrun, in subprocesses that never outlive the test
+# ---------------------------------------------------------------------------------------------------------
+
+TOKEN_VAR = "TABFM_TEST_PROCESS_TOKEN"
+
+
+def _tagged_pids(token: str) -> list[int]:
+    """Processes whose environment carries TOKEN_VAR=token (the launched process and all its descendants, even
+    those in sessions of their own or already reparented)."""
+    tag, pids = f"{TOKEN_VAR}={token}".encode(), []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if tag in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _kill_tagged(token: str) -> list[int]:
+    killed = []
+    for _ in range(3):  # a dying agent may still be starting a worker
+        pids = _tagged_pids(token)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if not pids:
+            break
+        time.sleep(0.2)
+    return killed
+
+
+def run_process_tree(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run cmd from the repository root; on timeout (or any error) kill it and every descendant, and fail.
+    Stragglers are killed on success too."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", TOKEN_VAR: token}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tagged(token)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ... ran past {timeout}s and was killed with its workers:\n{err[-3000:]}")
+    finally:
+        _kill_tagged(token)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(out_dir: Path, *extra: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", str(restarts), "-m", "tabfm.pretrain", "--config", str(TINY),
+            "--set", f"train.out_dir={out_dir}", "parallel.d1=2", "train.progress=false", "data.batch_size=2",
+            "data.table.max_rows=40", *extra]
+
+
+@pytest.mark.slow  # three generations of torchrun workers: ~35-50 s on the shared 2-core machine
+def test_torchrun_entry_point_and_restart_after_a_rank_dies(tmp_path, monkeypatch):
+    """An uninterrupted 1x2 run under torchrun; then the same run where rank 1 SIGKILLs itself before step 3
+    (checkpoint at step 2): torchrun restarts both workers once, they resume from the step-2 checkpoint, and the
+    losses are exactly those of the uninterrupted run."""
+    extra = ("train.steps=6", "train.checkpoint_every=2")
+    out = run_process_tree(torchrun(tmp_path / "ref", *extra), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2]
-    assert ckpt.verify_checkpoint(latest_checkpoint(tmp_path))["layout"]["d1"] == 2
+    reference, _ = read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in reference] == [1, 2, 3, 4, 5, 6]
+    assert ckpt.verify_checkpoint(latest_checkpoint(tmp_path / "ref"))["layout"]["d1"] == 2
+
+    monkeypatch.setenv(FAULT_ENV, "3")
+    out = run_process_tree([*torchrun(tmp_path / "run", *extra, restarts=1), "--resume", "auto"], timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 1 killed itself before step 3" in (tmp_path / "run" / FAULT_MARKER).read_text()
+    lines, _ = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]  # the failed attempt's step-3 line was trimmed
+    assert [r["loss"] for r in lines] == [r["loss"] for r in reference]
+    assert [r["grad_norm"] for r in lines] == [r["grad_norm"] for r in reference]
