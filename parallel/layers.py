@@ -12,6 +12,13 @@ Shape legend (mesh (d0, d1), N = d0 * d1, rank at (i, j); "/d1" = this rank's bl
 Weights use nn.Linear's [out, in] convention. Every layer is built from its plain module (`from_dense`), so
 the full matrices are the same whatever the layout, and `shard_specs()` says how each parameter is cut, for the
 checkpoint code. Megatron's 1D tensor parallelism is the mesh (N, 1).
+
+Two options tune how a layer runs, never what it computes:
+    overlap_chunks  k > 1 pipelines a layer over k chunks of its tokens (of its sequences, for attention), so
+                    each chunk's collectives overlap other chunks' compute (overlap.py, DESIGN 3.4); k = 1 is
+                    the plain code below
+    kernels         "auto" | "triton" | "torch": the fused epilogues (MLP bias + activation, LayerNorm
+                    statistics and normalisation) in Triton or in their torch reference (kernels/ops.py)
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tabfm.parallel import dense
+from tabfm.parallel import dense, overlap
 from tabfm.parallel.comm import copy_to, gather, reduce_from, scatter, scatter_reduce
+from tabfm.parallel.kernels import ops
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import ShardSpec, shard_tensor
 
@@ -46,13 +54,17 @@ class ColumnFirstLinear(nn.Module):
 
     scatter_output: reduce-scatter the partial output over axis 1 along features instead of all-reducing it
     (attention QKV: each rank keeps only its heads). qkv_heads: the output is a fused [q | k | v] projection,
-    reordered so that the scattered chunks are whole heads.
+    reordered so that the scattered chunks are whole heads. overlap_chunks: see the module docstring.
+    regather_input (overlap_chunks > 1 with sequence parallelism): keep only the local input for backward and
+    all-gather it again there, overlapped with the dX matmul, instead of keeping the gathered one.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TPMesh, *,
-                 sequence_parallel: bool = False, scatter_output: bool = False, qkv_heads: int | None = None):
+                 sequence_parallel: bool = False, scatter_output: bool = False, qkv_heads: int | None = None,
+                 overlap_chunks: int = 1, regather_input: bool = True):
         super().__init__()
         self.mesh, self.sequence_parallel, self.scatter_output = mesh, sequence_parallel, scatter_output
+        self.overlap_chunks, self.regather_input = overlap.check_chunks(overlap_chunks), regather_input
         self.out_features, self.in_features = weight.shape
         self._specs = self.specs(scatter_output, qkv_heads, bias is not None)
         self.weight = _local(weight, self._specs["weight"], mesh)
@@ -73,31 +85,42 @@ class ColumnFirstLinear(nn.Module):
         return dict(self._specs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
+        return y if self.bias is None else y + self.bias
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The reduced output without the bias (for a fused bias epilogue)."""
+        if self.overlap_chunks > 1:
+            return overlap.column_first(x, self.weight, self.mesh, self.overlap_chunks,
+                                        sequence_parallel=self.sequence_parallel, scatter_output=self.scatter_output,
+                                        regather_input=self.regather_input)
         axis0, axis1 = self.mesh.axis0, self.mesh.axis1
         if self.sequence_parallel:
             x = gather(x, TOKENS, axis0)          # [B..., S, in/d1]; backward reduce-scatters dX
         else:
             x = copy_to(x, axis0)                 # backward all-reduces the partial dX over axis 0
         y = F.linear(x, self.weight)              # [B..., S, out/d0], partial over axis 1
-        y = scatter_reduce(y, HIDDEN, axis1) if self.scatter_output else reduce_from(y, axis1, inplace=True)
-        return y if self.bias is None else y + self.bias
+        return scatter_reduce(y, HIDDEN, axis1) if self.scatter_output else reduce_from(y, axis1, inplace=True)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, mesh={self.mesh}, "
-                f"sequence_parallel={self.sequence_parallel}, scatter_output={self.scatter_output}")
+                f"sequence_parallel={self.sequence_parallel}, scatter_output={self.scatter_output}, "
+                f"overlap_chunks={self.overlap_chunks}")
 
 
 class RowFirstLinear(nn.Module):
     """Y = X A with A's input rows split over axis 0 and output columns over axis 1 (DESIGN 3.1).
 
     input_gathered: the input came from an all-gather over axis 1 whose backward already reduce-scatters the
-    partial dX, so no all-reduce of dX is added here (attention's output projection).
+    partial dX, so no all-reduce of dX is added here (attention's output projection). `forward(x,
+    gather_input=True)` does that all-gather here instead (chunked with the matmul when overlap_chunks > 1).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: TPMesh, *,
-                 sequence_parallel: bool = False, input_gathered: bool = False):
+                 sequence_parallel: bool = False, input_gathered: bool = False, overlap_chunks: int = 1):
         super().__init__()
         self.mesh, self.sequence_parallel, self.input_gathered = mesh, sequence_parallel, input_gathered
+        self.overlap_chunks = overlap.check_chunks(overlap_chunks)
         self.out_features, self.in_features = weight.shape
         self._specs = self.specs(bias is not None)
         self.weight = _local(weight, self._specs["weight"], mesh)
@@ -117,37 +140,58 @@ class RowFirstLinear(nn.Module):
     def shard_specs(self) -> dict[str, ShardSpec]:
         return dict(self._specs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gather_input: bool = False) -> torch.Tensor:
+        """gather_input: x is [B..., S, in/N], still split over axis 1 along features; gather it first."""
         axis0, axis1 = self.mesh.axis0, self.mesh.axis1
-        if not self.input_gathered:
-            x = copy_to(x, axis1)                 # backward all-reduces the partial dX over axis 1
-        y = F.linear(x, self.weight)              # [B..., S, out/d1], partial over axis 0
-        if self.sequence_parallel:
-            _check_tokens(y, self.mesh, "row-first linear")
-            y = scatter_reduce(y, TOKENS, axis0)  # [B..., S/d0, out/d1]
+        if self.overlap_chunks > 1:
+            if self.sequence_parallel:
+                _check_tokens(x, self.mesh, "row-first linear")
+            y = overlap.row_first(x, self.weight, self.mesh, self.overlap_chunks,
+                                  sequence_parallel=self.sequence_parallel, gather_input=gather_input,
+                                  reduce_dx=not self.input_gathered)
         else:
-            y = reduce_from(y, axis0, inplace=True)
+            if gather_input:
+                x = gather(x, HIDDEN, axis1)      # [B..., S, in/d0]; backward reduce-scatters dX
+            elif not self.input_gathered:
+                x = copy_to(x, axis1)             # backward all-reduces the partial dX over axis 1
+            y = F.linear(x, self.weight)          # [B..., S, out/d1], partial over axis 0
+            if self.sequence_parallel:
+                _check_tokens(y, self.mesh, "row-first linear")
+                y = scatter_reduce(y, TOKENS, axis0)  # [B..., S/d0, out/d1]
+            else:
+                y = reduce_from(y, axis0, inplace=True)
+        return self.add_bias(y)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return y
         # Under sequence parallelism each rank sees only its tokens: the bias gradient is partial over axis 0.
-        return y + (copy_to(self.bias, axis0) if self.sequence_parallel else self.bias)
+        return y + (copy_to(self.bias, self.mesh.axis0) if self.sequence_parallel else self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, mesh={self.mesh}, "
-                f"sequence_parallel={self.sequence_parallel}, input_gathered={self.input_gathered}")
+                f"sequence_parallel={self.sequence_parallel}, input_gathered={self.input_gathered}, "
+                f"overlap_chunks={self.overlap_chunks}")
 
 
 class ParallelMlp(nn.Module):
-    """fc1 column-first, activation, fc2 row-first: [B..., S, H/d1] in and out, so blocks chain as they are."""
+    """fc1 column-first, activation, fc2 row-first: [B..., S, H/d1] in and out, so blocks chain as they are.
+    fc1's bias and the activation run as one fused epilogue (`kernels`). With overlap_chunks > 1 the whole
+    MLP is pipelined over chunks of tokens (overlap.mlp)."""
 
-    def __init__(self, mlp: dense.Mlp, mesh: TPMesh, sequence_parallel: bool = False):
+    def __init__(self, mlp: dense.Mlp, mesh: TPMesh, sequence_parallel: bool = False, overlap_chunks: int = 1,
+                 kernels: str = "auto"):
         super().__init__()
         problems = self.layout_problems(mlp, mesh.d0, mesh.d1)
         if problems:
             raise ValueError("; ".join(problems))
-        self.activation = mlp.activation
-        self.fc1 = ColumnFirstLinear.from_dense(mlp.fc1, mesh, sequence_parallel=sequence_parallel)
-        self.fc2 = RowFirstLinear.from_dense(mlp.fc2, mesh, sequence_parallel=sequence_parallel)
+        self.activation, self.kernels = mlp.activation, ops.check_kernels(kernels)
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.overlap_chunks = overlap.check_chunks(overlap_chunks)
+        self.fc1 = ColumnFirstLinear.from_dense(mlp.fc1, mesh, sequence_parallel=sequence_parallel,
+                                                overlap_chunks=overlap_chunks)
+        self.fc2 = RowFirstLinear.from_dense(mlp.fc2, mesh, sequence_parallel=sequence_parallel,
+                                             overlap_chunks=overlap_chunks)
 
     @staticmethod
     def layout_problems(mlp: dense.Mlp, d0: int, d1: int) -> list[str]:
@@ -155,24 +199,34 @@ class ParallelMlp(nn.Module):
         return _divisibility({"hidden size": h}, 1, d1) + _divisibility({"MLP width": f}, d0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(dense.ACTIVATIONS[self.activation](self.fc1(x)))
+        if self.overlap_chunks > 1:
+            y = overlap.mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.mesh, self.overlap_chunks,
+                            activation=self.activation, kernels=self.kernels,
+                            sequence_parallel=self.sequence_parallel, regather_input=self.fc1.regather_input)
+            return self.fc2.add_bias(y)
+        h = ops.bias_act(self.fc1.project(x), self.fc1.bias, self.activation, kernels=self.kernels)  # [B..., S, F/d0]
+        return self.fc2(h)
 
 
 class ParallelAttention(nn.Module):
     """Heads split over all N ranks: QKV column-first with a reduce-scatter over axis 1, attention on this
-    rank's heads/N heads with no redundant work, context all-gathered over axis 1, output row-first."""
+    rank's heads/N heads with no redundant work, context all-gathered over axis 1, output row-first. With
+    overlap_chunks > 1 the whole layer is pipelined over chunks of sequences (overlap.attention), or, for a
+    single sequence, each linear over chunks of tokens."""
 
-    def __init__(self, attn: dense.Attention, mesh: TPMesh, sequence_parallel: bool = False):
+    def __init__(self, attn: dense.Attention, mesh: TPMesh, sequence_parallel: bool = False, overlap_chunks: int = 1):
         super().__init__()
         problems = self.layout_problems(attn, mesh.d0, mesh.d1)
         if problems:
             raise ValueError("; ".join(problems))
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.overlap_chunks = overlap.check_chunks(overlap_chunks)
         self.heads, self.local_heads = attn.heads, attn.heads // mesh.tp
         self.qkv = ColumnFirstLinear.from_dense(attn.qkv, mesh, sequence_parallel=sequence_parallel,
-                                                scatter_output=True, qkv_heads=attn.heads)
+                                                scatter_output=True, qkv_heads=attn.heads,
+                                                overlap_chunks=overlap_chunks)
         self.proj = RowFirstLinear.from_dense(attn.proj, mesh, sequence_parallel=sequence_parallel,
-                                              input_gathered=True)
+                                              input_gathered=True, overlap_chunks=overlap_chunks)
 
     @staticmethod
     def layout_problems(attn: dense.Attention, d0: int, d1: int) -> list[str]:
@@ -182,11 +236,17 @@ class ParallelAttention(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.overlap_chunks > 1:
+            y = overlap.attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.mesh, self.overlap_chunks,
+                                  local_heads=self.local_heads, num_kv=num_kv, attn_mask=attn_mask,
+                                  sequence_parallel=self.sequence_parallel, regather_input=self.qkv.regather_input)
+            if y is not None:
+                return self.proj.add_bias(y)
         qkv = self.qkv(x)                                           # [B..., S, 3 * H/N]
         q, k, v = qkv.unflatten(-1, (3, self.local_heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
         ctx = dense.attend(q, k, v, num_kv, attn_mask)              # [B..., H/N heads, S, dh]
-        ctx = gather(ctx.transpose(-3, -2).flatten(-2), HIDDEN, self.mesh.axis1)  # [B..., S, H/d0]
-        return self.proj(ctx)                                       # [B..., S(/d0), H/d1]
+        # [B..., S, H/N], all-gathered over axis 1 to [B..., S, H/d0] inside proj (chunk by chunk if overlapped)
+        return self.proj(ctx.transpose(-3, -2).flatten(-2), gather_input=True)  # [B..., S(/d0), H/d1]
 
 
 class ParallelLayerNorm(nn.Module):
@@ -196,13 +256,16 @@ class ParallelLayerNorm(nn.Module):
     axis 1 of those 2 numbers per token lets every rank combine them exactly (Chan et al.), which is stable
     where E[x^2] - E[x]^2 is not. Weight and bias are cut like the activations (block j over axis 1) and
     replicated over axis 0; under sequence parallelism their gradients are partial over axis 0 and summed there.
+    With the hidden size sharded, the local statistics (optionally fused with the residual add:
+    `forward_residual`) and the normalisation run as fused kernels (`kernels`); unsharded, F.layer_norm.
     """
 
-    def __init__(self, norm: nn.LayerNorm, mesh: TPMesh, sequence_parallel: bool = False):
+    def __init__(self, norm: nn.LayerNorm, mesh: TPMesh, sequence_parallel: bool = False, kernels: str = "auto"):
         super().__init__()
         if len(norm.normalized_shape) != 1:
             raise ValueError("ParallelLayerNorm normalises over the last dimension only")
         self.mesh, self.sequence_parallel, self.eps = mesh, sequence_parallel, norm.eps
+        self.kernels = ops.check_kernels(kernels)
         self.hidden = norm.normalized_shape[0]
         problems = _divisibility({"norm width": self.hidden}, 1, mesh.d1)
         if problems:
@@ -215,23 +278,29 @@ class ParallelLayerNorm(nn.Module):
         return {name: ShardSpec(("tp1",)) for name, p in (("weight", self.weight), ("bias", self.bias)) if p is not None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_residual(x, None)[1]
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s)) with s = x + residual (s = x when residual is None); with the hidden size sharded,
+        the add is fused into the statistics pass."""
         axis0, axis1 = self.mesh.axis0, self.mesh.axis1
         # Under sequence parallelism each rank sees only its tokens: parameter gradients are partial over axis 0.
         weight = copy_to(self.weight, axis0) if self.sequence_parallel and self.weight is not None else self.weight
         bias = copy_to(self.bias, axis0) if self.sequence_parallel and self.bias is not None else self.bias
         if axis1.size == 1:  # the whole hidden vector is here: PyTorch's fused kernel
-            return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
+            s = x if residual is None else x + residual
+            return s, F.layer_norm(s, (self.hidden,), weight, bias, self.eps)
+        if residual is None:
+            s, (mean, m2) = x, ops.norm_stats(x, kernels=self.kernels)        # [B..., S, 1] each, local columns
+        else:
+            s, mean, m2 = ops.add_norm_stats(x, residual, kernels=self.kernels)
         n_local = x.shape[HIDDEN]
-        mean = x.mean(HIDDEN, keepdim=True)
-        m2 = (x - mean).square().sum(HIDDEN, keepdim=True)
         stats = gather(torch.cat([mean, m2], HIDDEN).unsqueeze(-2), -2, axis1)  # [B..., S, d1, 2]
         means, m2s = stats.unbind(-1)
         mean = means.mean(HIDDEN, keepdim=True)
         m2 = m2s.sum(HIDDEN, keepdim=True) + n_local * (means - mean).square().sum(HIDDEN, keepdim=True)
-        y = (x - mean) * torch.rsqrt(m2 / (n_local * axis1.size) + self.eps)
-        if weight is not None:
-            y = y * weight
-        return y if bias is None else y + bias
+        rstd = torch.rsqrt(m2 / (n_local * axis1.size) + self.eps)
+        return s, ops.normalize(s, mean, rstd, weight, bias, kernels=self.kernels)
 
 
 class VocabEmbedding(nn.Module):

@@ -10,6 +10,10 @@ The plan maps module-name patterns (fnmatch, on `named_modules()` names) to a st
 Everything the plan names runs on hidden-sharded activations; the model enters and leaves that region with
 `shard_activation` / `gather_activation`. Parameter names stay those of the plain model, so a gathered state
 dict is the plain model's state dict. Layout problems are found for the whole plan before anything is swapped.
+
+Run options (the config's `parallel.overlap_chunks` and `parallel.kernels`) reach the layers that use them:
+    overlap_chunks  k chunks of overlapped communication (overlap.py): mlp, attention, colwise, rowwise
+    kernels         "auto" | "triton" | "torch" fused epilogues (kernels/ops.py): mlp, norm
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import Callable
 from torch import nn
 
 from tabfm.parallel import dense
+from tabfm.parallel.kernels.ops import check_kernels
 from tabfm.parallel.layers import (ColumnFirstLinear, ParallelAttention, ParallelLayerNorm, ParallelMlp,
                                    RowFirstLinear, VocabEmbedding, _divisibility)
 from tabfm.parallel.mesh import LayoutError, TPMesh, factorizations
+from tabfm.parallel.overlap import check_chunks
 from tabfm.parallel.sharding import ShardSpec
 
 Plan = dict[str, str]
@@ -40,6 +46,17 @@ _STYLES: dict[str, tuple[type, Callable[..., nn.Module], Callable[[nn.Module, in
     "rowwise": (nn.Linear, RowFirstLinear.from_dense,
                 lambda m, d0, d1: _divisibility({"linear input": m.in_features}, d0, 1)
                 + _divisibility({"linear output": m.out_features}, 1, d1)),
+}
+
+
+# Which run options each style's layer takes.
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mlp": ("overlap_chunks", "kernels"),
+    "attention": ("overlap_chunks",),
+    "norm": ("kernels",),
+    "embedding": (),
+    "colwise": ("overlap_chunks",),
+    "rowwise": ("overlap_chunks",),
 }
 
 
@@ -93,20 +110,32 @@ def check_layout(model: nn.Module, plan: Plan, d0: int, d1: int) -> None:
     if problems:
         valid = valid_layouts(model, plan, d0 * d1)
         options = ", ".join(f"{a}x{b}" for a, b in valid) or "none: change the number of processes"
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        by_reason: dict[str, list[str]] = {}
+        for problem in problems:  # "module: reason" -> one line per reason, naming where it first happens
+            module, _, reason = problem.partition(": ")
+            by_reason.setdefault(reason, []).append(module)
+        shown = "; ".join(f"{reason} ({where[0]}" + (f" and {len(where) - 1} more)" if len(where) > 1 else ")")
+                          for reason, where in by_reason.items())
         raise LayoutError(f"layout {d0}x{d1} does not fit the model: {shown}. "
                           f"Layouts with {d0 * d1} tensor-parallel ranks that fit: {options}")
 
 
-def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: bool = False) -> nn.Module:
-    """Swap the modules the plan names for ATP layers on `mesh` (in place) and return the model."""
+def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: bool = False,
+                overlap_chunks: int = 1, kernels: str = "auto") -> nn.Module:
+    """Swap the modules the plan names for ATP layers on `mesh` (in place) and return the model.
+
+    overlap_chunks: split each linear's tokens into this many chunks whose collectives overlap compute (1 = off).
+    kernels: "auto" (Triton on CUDA, else torch), "triton" or "torch" for the fused epilogues.
+    """
+    options = {"overlap_chunks": check_chunks(overlap_chunks), "kernels": check_kernels(kernels)}
     check_layout(model, plan, mesh.d0, mesh.d1)
     for name, module, style in _matches(model, plan):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if not name:
             raise ValueError("the plan cannot swap the root module itself; wrap it in a parent module")
-        setattr(parent, child, _STYLES[style][1](module, mesh, sequence_parallel=sequence_parallel))
+        extra = {name: options[name] for name in _OPTIONS[style]}
+        setattr(parent, child, _STYLES[style][1](module, mesh, sequence_parallel=sequence_parallel, **extra))
     return model
 
 
