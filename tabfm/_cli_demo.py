@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     d0, d1 = args.layout
     torch.manual_seed(0)
     plain = torch.nn.Sequential(dense.BlockStack(args.depth, args.hidden, args.heads))
-    check_layout(plain, block_plan("0"), d0, d1)  # refuse a bad layout before any process group starts
+    # Refuse a bad layout before any process group starts.
+    check_layout(plain, block_plan("0"), d0, d1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    ParallelDims(d0, d1).check_world_size(world)
     if world > 1:
         dist.init_process_group("gloo")
     mesh = ParallelDims(d0, d1).build("cpu") if world > 1 else TPMesh.single()

@@ -166,3 +166,7 @@ def test_layout_check_lists_valid_layouts():
     model = Holder(dense.BlockStack(1, 12, 2, mlp_ratio=1))  # hidden 12 on 8 ranks: heads 2 don't divide 8
     with pytest.raises(LayoutError, match=r"layout 2x4 does not fit the model: .*heads"):
         check_layout(model, block_plan("m"), 2, 4)
+    # A vocabulary of 6 rows splits over d0 in {1, 2} but not 4: only the layouts with d0 <= 2 are offered.
+    model = Holder(nn.Embedding(6, 8))
+    with pytest.raises(LayoutError, match=r"embedding rows 6 is not divisible by d0=4 \(m\)\. .*fit: 1x4, 2x2$"):
+        check_layout(model, {"m": "embedding"}, 4, 1)
