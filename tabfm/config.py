@@ -69,11 +69,24 @@ class ParallelConfig:
     """Data-parallel replicas; d0 * d1 * dp must equal the number of processes."""
     sequence_parallel: bool = False
     """Split each stage's sequence over axis 0 as well (DESIGN 3.2)."""
+    layout: str = "manual"
+    """manual: use d0, d1, sequence_parallel and overlap_chunks as given; auto: the ATP planner chooses them for
+    the processes started (divided by dp) on `topology`, and the run logs why it won (out_dir/layout.json)."""
+    topology: str = "measure"
+    """For layout auto: a preset of configs/topology, a path to a preset YAML, or measure (this machine, once)."""
+    overlap_chunks: int = 1
+    """Chunks of overlapped communication per tensor-parallel linear (DESIGN 3.4); 1 = off."""
+    kernels: str = "auto"
+    """Fused chunk epilogues: auto (Triton on CUDA, the torch reference elsewhere), triton or torch."""
 
     def __post_init__(self) -> None:
-        for name in ("d0", "d1", "dp"):
+        for name in ("d0", "d1", "dp", "overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1")
+        if self.layout not in ("manual", "auto"):
+            raise ValueError(f"parallel.layout={self.layout!r}; use manual or auto")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"parallel.kernels={self.kernels!r}; use auto, triton or torch")
 
 
 @dataclass(frozen=True)

@@ -328,7 +328,7 @@ class TabFM(nn.Module):
 
     def _label_embedding(self, batch: Batch, train: torch.Tensor) -> torch.Tensor:
         if batch.task == "classification":
-            if int(batch.n_classes.max()) > self.config.max_classes:
+            if not batch.labels.is_meta and int(batch.n_classes.max()) > self.config.max_classes:
                 raise ValueError(f"a table has {int(batch.n_classes.max())} classes; the model takes at most "
                                  f"max_classes={self.config.max_classes}")
             emb = self.icl.class_embed(batch.labels.clamp(0, self.config.max_classes - 1))
@@ -342,12 +342,16 @@ class TabFM(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, max_train: int | None = None) -> torch.Tensor:
+        """max_train: the most train rows of a table in the batch, when the caller knows it without reading
+        n_train (the planner traces the model on the meta device, where tensors hold no values)."""
         B, R, C = batch.values.shape
         n_train = batch.n_train
-        if int(n_train.min()) < 1:
-            raise ValueError("every table needs at least one train row (n_train >= 1)")
-        T = int(n_train.max())
+        if max_train is None:
+            if int(n_train.min()) < 1:
+                raise ValueError("every table needs at least one train row (n_train >= 1)")
+            max_train = int(n_train.max())
+        T = max_train
         kv_mask = train_rows(n_train, T)                                         # [B, T]
         x = self.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, n_train)  # [B, R, C, E]
         for block in self.axial:
@@ -417,13 +421,16 @@ def tp_plan(model: TabFM) -> Plan:
     return plan
 
 
-def parallelize_model(model: TabFM, mesh: TPMesh | None, sequence_parallel: bool = False) -> TabFM:
+def parallelize_model(model: TabFM, mesh: TPMesh | None, sequence_parallel: bool = False, overlap_chunks: int = 1,
+                      kernels: str = "auto") -> TabFM:
     """Swap the blocks of every stage for ATP layers on `mesh` (in place) and run them there; parameter names
-    stay the plain model's. A mesh of None or 1x1 leaves the model plain."""
+    stay the plain model's. A mesh of None or 1x1 leaves the model plain. overlap_chunks and kernels are the
+    config's parallel.overlap_chunks and parallel.kernels (see tabfm.parallel.parallelize)."""
     if mesh is None or mesh.tp == 1:
         model.region = Region()
         return model
-    parallelize(model, mesh, tp_plan(model), sequence_parallel=sequence_parallel)
+    parallelize(model, mesh, tp_plan(model), sequence_parallel=sequence_parallel, overlap_chunks=overlap_chunks,
+                kernels=kernels)
     model.region = Region(mesh, sequence_parallel)
     return model
 

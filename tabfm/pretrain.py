@@ -42,6 +42,7 @@ from tabfm.config import OptimConfig, RunConfig, dump_config, load_config
 from tabfm.data.encode import Batch
 from tabfm.data.loader import make_loader
 from tabfm.evaluate import evaluate, load_tables
+from tabfm.layout import resolve_layout
 from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
 from tabfm.parallel.comm import all_reduce
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh, factorizations
@@ -195,13 +196,18 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
     """Raise LayoutError (listing the layouts that fit) when the configured layout can't run on `world_size`
     processes or doesn't divide the model's heads and widths. Needs no process group."""
     p = cfg.parallel
-    dims = ParallelDims(p.d0, p.d1, p.dp)
+    dims = ParallelDims(p.d0, p.d1, p.dp) if p.layout == "manual" else ParallelDims(1, world_size // p.dp or 1, p.dp)
     fits = ", ".join(f"dp={d.dp} x {d.d0}x{d.d1}" for d in fitting_layouts(cfg.model, world_size)) or "none"
     hint = f". Layouts of {world_size} process{'es' if world_size > 1 else ''} that fit this model: {fits}"
     try:
         dims.check_world_size(world_size)
     except LayoutError as e:
         raise LayoutError(f"{e}{hint}") from None
+    if p.layout == "auto":
+        if not any(d.dp == p.dp for d in fitting_layouts(cfg.model, world_size)):
+            raise LayoutError(f"layout auto: no tensor-parallel layout of {world_size // p.dp} ranks fits the "
+                              f"model{hint}")
+        return
     with torch.device("meta"):
         model = TabFM(cfg.model)
     try:
@@ -220,14 +226,20 @@ def _trim_metrics(path: Path, step: int) -> None:
 def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None) -> list[dict[str, Any]]:
     """Run (or continue) the pretraining described by `cfg`; return the metric records (every rank)."""
     device = _device(cfg)
-    mesh = mesh or _build_mesh(cfg, device)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if mesh is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cfg, reason = resolve_layout(cfg, world, Path(cfg.train.out_dir))
+        if reason and rank0:
+            print(f"layout auto: {reason}", flush=True)
+    mesh = mesh or _build_mesh(cfg, device)
     out_dir = Path(cfg.train.out_dir)
     ckpt_root = out_dir / "checkpoints"
     metrics_path = out_dir / "metrics.jsonl"
 
     model = build_model(cfg.model, seed=cfg.train.seed).to(device=device, dtype=DTYPES[cfg.train.dtype])
-    model = parallelize_model(model, mesh, cfg.parallel.sequence_parallel)
+    p = cfg.parallel
+    model = parallelize_model(model, mesh, p.sequence_parallel, overlap_chunks=p.overlap_chunks, kernels=p.kernels)
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)

@@ -1,0 +1,77 @@
+"""`parallel.layout: auto`: the planner picks the layout of a pretraining run from the real TabFM layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tabfm.config import load_config
+from tabfm.layout import TabFMSource, resolve_layout, source_for
+from tabfm.parallel import planner
+from tabfm.parallel.topology import load_preset
+from tabfm.pretrain import check_run_layout, train
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny.yaml"
+PAIRS = """
+name: test-pairs
+description: 4 devices, fast pairs joined by a 20x slower link (a test fixture)
+devices: 4
+memory_gb: 16
+dtype: float32
+compute: {peak_tflops: 1.0, memory_bandwidth_gbs: 50}
+levels:
+  - {name: pair, span: 2, alpha_us: 5, bandwidth_gbs: 100}
+  - {name: network, span: 4, alpha_us: 100, bandwidth_gbs: 5}
+"""
+
+
+def _auto_cfg(tmp_path: Path, *extra: str):
+    preset = tmp_path / "pairs.yaml"
+    preset.write_text(PAIRS)
+    return load_config(TINY, [f"train.out_dir={tmp_path / 'run'}", "train.steps=1", "train.checkpoint_every=0",
+                              "parallel.layout=auto", f"parallel.topology={preset}", *extra])
+
+
+def test_tabfm_source_counts_the_real_model(tmp_path):
+    cfg = _auto_cfg(tmp_path)
+    source = source_for(cfg)
+    assert isinstance(source, TabFMSource) and "TabFM" in source.describe()
+    ranked = planner.plan(source, load_preset(str(tmp_path / "pairs.yaml")), 4, chunks=(1,))
+    valid = [c for c in ranked if c.valid]
+    assert {(c.d0, c.d1) for c in valid} == {(4, 1), (2, 2), (1, 4)}
+    assert all(c.volume["tp0"] > 0 for c in valid if c.d0 > 1)
+
+
+def test_auto_on_one_process_is_the_single_device_layout(tmp_path):
+    cfg = _auto_cfg(tmp_path, "parallel.topology=measure")
+    check_run_layout(cfg, 1)
+    resolved, reason = resolve_layout(cfg, 1, tmp_path)
+    assert (resolved.parallel.d0, resolved.parallel.d1, resolved.parallel.layout) == (1, 1, "manual")
+    assert "1x1" in reason and json.loads((tmp_path / "layout.json").read_text())["d0"] == 1
+
+
+def _train_auto(tmp: str) -> tuple:
+    cfg = _auto_cfg(Path(tmp))
+    train(cfg)
+    return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
+
+
+def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path):
+    cfg = _auto_cfg(tmp_path)
+    best, _ = planner.choose_layout(source_for(cfg), load_preset(str(tmp_path / "pairs.yaml")), 4,
+                                    dtype=cfg.train.dtype)
+    results = ranks(4).run(_train_auto, str(tmp_path))
+    chosen = results[0]
+    assert (chosen["d0"], chosen["d1"], chosen["sequence_parallel"], chosen["overlap_chunks"]) == \
+        (best.d0, best.d1, best.sequence_parallel, best.chunks)
+    assert "predicted" in chosen["reason"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and metrics[-1]["step"] == 1
+
+
+def test_auto_with_data_parallel_needs_a_preset(tmp_path):
+    cfg = _auto_cfg(tmp_path, "parallel.topology=measure", "parallel.dp=2")
+    with pytest.raises(ValueError, match="needs a topology preset"):
+        resolve_layout(cfg, 4)
