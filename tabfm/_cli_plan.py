@@ -31,13 +31,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _source(path: str):
+    """A plan config (`model: {kind: transformer, ...}`) or a pretraining run config (the TabFM it trains, on its
+    largest tables): the planner's model source and search options."""
+    from pathlib import Path
+
+    import yaml
+
+    from tabfm.parallel import planner
+
+    raw = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if isinstance(model, dict) and model.get("kind", "transformer") == "transformer" and "embed_dim" not in model:
+        return planner.load_config(path)
+    from tabfm.config import load_config
+    from tabfm.layout import source_for
+
+    cfg = load_config(path)
+    return source_for(cfg), planner.PlanOptions(dtype=cfg.train.dtype)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the ranked table (and draw it); 0 on success, 2 on bad input (with what to change)."""
     from tabfm.parallel import planner
     from tabfm.parallel.topology import load_or_measure, load_preset
 
     try:
-        spec, options = planner.load_config(args.config)
+        spec, options = _source(args.config)
         if args.nproc < 1:
             raise ValueError(f"--nproc must be a positive integer, got {args.nproc}")
         if args.topology == "measure":

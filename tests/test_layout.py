@@ -75,3 +75,13 @@ def test_auto_with_data_parallel_needs_a_preset(tmp_path):
     cfg = _auto_cfg(tmp_path, "parallel.topology=measure", "parallel.dp=2")
     with pytest.raises(ValueError, match="needs a topology preset"):
         resolve_layout(cfg, 4)
+
+
+def test_tabfm_plan_takes_a_pretraining_config(tmp_path, capsys):
+    from tabfm import cli
+
+    preset = tmp_path / "pairs.yaml"
+    preset.write_text(PAIRS)
+    assert cli.main(["plan", "--config", str(TINY), "--nproc", "4", "--topology", str(preset), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "model: TabFM" in out and "best: " in out
