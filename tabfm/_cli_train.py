@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
     ckpt = subparsers.add_parser("ckpt", help="merge, re-split or verify a sharded checkpoint")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     m = sub.add_parser("merge", help="all rank shards -> one safetensors file of the plain model")
-    m.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/small/checkpoints/step-000250")
+    m.add_argument("checkpoint", help="a checkpoint folder (runs/small/checkpoints/step_0000250), or a run's "
+                   "out_dir for its latest checkpoint")
     m.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
     m.set_defaults(run=_merge)
     r = sub.add_parser("reshard", help="re-split a checkpoint for another layout")
@@ -63,11 +64,26 @@ def _fail(message: str) -> int:
     return 2
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, a run's out_dir (its latest checkpoint) or a `checkpoints/latest` pointer file."""
+    from tabfm.pretrain import latest_checkpoint
+
+    path = Path(path)
+    if path.is_file() and path.name == "latest":
+        return path.parent / path.read_text().strip()
+    if (path / "checkpoints").is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"run {path} has no complete checkpoint yet")
+        return latest
+    return path
+
+
 def _merge(args: argparse.Namespace) -> int:
     from tabfm import checkpoint
 
     try:
-        out = checkpoint.merge(args.checkpoint, args.output)
+        out = checkpoint.merge(resolve_checkpoint(args.checkpoint), args.output)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     print(f"merged {args.checkpoint} -> {out}")
@@ -79,7 +95,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
     d0, d1 = args.layout
     try:
-        out = checkpoint.reshard(args.checkpoint, d0, d1, args.output)
+        out = checkpoint.reshard(resolve_checkpoint(args.checkpoint), d0, d1, args.output)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     print(f"resharded {args.checkpoint} to {d0}x{d1} -> {out}")
@@ -90,7 +106,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tabfm import checkpoint
 
     try:
-        manifest = checkpoint.verify_checkpoint(args.checkpoint)
+        manifest = checkpoint.verify_checkpoint(resolve_checkpoint(args.checkpoint))
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     print(f"{args.checkpoint}: ok (step {manifest.get('step')}, layout {manifest.get('layout')})")

@@ -22,7 +22,7 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     assert "ok (step 2" in capsys.readouterr().out
 
     merged = tmp_path / "model.safetensors"
-    assert cli.main(["ckpt", "merge", str(ckpt), "-o", str(merged)]) == 0
+    assert cli.main(["ckpt", "merge", str(run), "-o", str(merged)]) == 0  # a run folder: its latest checkpoint
     config, state = load_merged(merged)
     assert state.keys() == load_file(merged).keys() and config is not None
 
