@@ -152,9 +152,9 @@ def test_main_refuses_a_layout_that_does_not_divide_the_model(monkeypatch, capsy
     assert not dist.is_initialized()
 
 
-def _run_on_mesh(out_dir: str, d0: int, d1: int, dp: int, sp: bool) -> dict:
-    cfg = tiny_cfg(Path(out_dir), "train.steps=2", "train.checkpoint_every=0", "train.dtype=float64", "optim.grad_clip=0.1",
-                   f"parallel.d0={d0}", f"parallel.d1={d1}", f"parallel.dp={dp}", f"parallel.sequence_parallel={sp}")
+def _run_on_mesh(out_dir: str, d0: int, d1: int, dp: int, sp: bool, steps: int = 2, dtype: str = "float64") -> dict:
+    cfg = tiny_cfg(Path(out_dir), f"train.steps={steps}", "train.checkpoint_every=0", f"train.dtype={dtype}",
+                   "optim.grad_clip=0.1", "train.log_every=1", f"parallel.d0={d0}", f"parallel.d1={d1}", f"parallel.dp={dp}", f"parallel.sequence_parallel={sp}")
     records = train(cfg, mesh=get_mesh(d0, d1, dp))
     return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
 
@@ -169,6 +169,14 @@ def test_tensor_parallel_training_equals_one_process(ranks, tmp_path):
             assert err <= 1e-9, (key, r[key], ref[key])
     manifest = ckpt.verify_checkpoint(tmp_path / "tp" / "checkpoints" / "step_0000002")
     assert manifest["layout"] == {"d0": 2, "d1": 2, "dp": 1}
+
+
+def test_twenty_float32_steps_on_2x2_give_the_one_process_losses(ranks, tmp_path):
+    ref = _run_on_mesh(str(tmp_path / "ref"), 1, 1, 1, False, 20, "float32")
+    assert len(ref["losses"]) == 20
+    for r in ranks(4).run(_run_on_mesh, str(tmp_path / "tp"), 2, 2, 1, False, 20, "float32"):
+        err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+        assert err <= 1e-4, (r["losses"], ref["losses"])
 
 
 def _replica_params(out_dir: str) -> dict:
