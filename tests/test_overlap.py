@@ -17,6 +17,8 @@ from fractions import Fraction
 import pytest
 import torch
 from dist_harness import get_mesh
+from test_parallel_layers import Holder
+from test_parallel_layers import _build as core_build
 from torch import nn
 
 from tabfm.parallel import dense
@@ -31,12 +33,6 @@ MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)]
 CHUNKS = (2, 4, 5)
 
 
-class Holder(nn.Module):
-    def __init__(self, m: nn.Module):
-        super().__init__()
-        self.m = m
-
-
 def _batch(kind: str) -> int:
     """Sequences per input: attention pipelines chunks of whole sequences (3: uneven; 1: chunks each linear's
     tokens instead)."""
@@ -44,22 +40,13 @@ def _batch(kind: str) -> int:
 
 
 def _build(kind: str) -> tuple[nn.Module, dict[str, str], dict]:
+    """The core tests' modules (test_parallel_layers._build), plus attention on 3 or 1 sequences and bare linears."""
     if kind in ("attention_b3", "attention_b1"):
         return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {"num_kv": 8}
-    if kind == "mlp":
-        return Holder(dense.Mlp(H, 4 * H)), {"m": "mlp"}, {}
-    if kind == "attention":
-        return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {}
-    if kind == "attention_ctx":
-        mask = torch.ones(B, S, 8, dtype=torch.bool)
-        mask[1, :, 6:] = False
-        return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {"num_kv": 8, "attn_mask": mask}
-    if kind == "stack":
-        return Holder(dense.BlockStack(2, H, HEADS)), block_plan("m"), {"num_kv": 8}
     if kind == "linears":  # bare column-first then row-first linears (the "colwise" / "rowwise" styles)
         return (Holder(nn.Sequential(nn.Linear(H, 2 * H), nn.Linear(2 * H, H))),
                 {"m.0": "colwise", "m.1": "rowwise"}, {})
-    raise ValueError(kind)
+    return core_build(kind)
 
 
 def _keep_gathered_inputs(par: nn.Module) -> nn.Module:
