@@ -39,7 +39,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv: int | None
     if num_kv is not None:
         k, v = k[..., :num_kv, :], v[..., :num_kv, :]
     mask = None if attn_mask is None else attn_mask.unsqueeze(-3)
+    lead = q.shape[:-3]
+    if len(lead) > 1:
+        # PyTorch's fused CPU kernel (which never builds the [S, num_kv] score matrix) takes 4-D inputs only.
+        if mask is not None:
+            mask = mask.expand(*lead, *mask.shape[-3:]).flatten(0, len(lead) - 1)
+        q, k, v = (t.flatten(0, len(lead) - 1) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).unflatten(0, lead)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KVCache:
+    """Keys and values of a context prefix, recorded once and reused by later calls (in-context inference).
+
+    While `recording`, an attention layer that holds the cache stores the keys/values of its first `num_kv`
+    tokens (the train rows) and attends as usual. Afterwards, every call attends to the stored keys/values
+    instead of its own prefix: a batch of test rows then costs O(test rows x train rows) instead of a forward
+    of the whole context. Each rank of a tensor-parallel mesh stores its own heads.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.recording = True
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, num_kv: int | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     int | None]:
+        """(keys, values, num_kv) this call attends with."""
+        if self.recording:
+            n = k.shape[-2] if num_kv is None else num_kv
+            self.k, self.v = k[..., :n, :].detach().clone(), v[..., :n, :].detach().clone()
+            return k, v, num_kv
+        if self.k is None:
+            raise RuntimeError("KVCache used before anything was recorded into it")
+        return self.k, self.v, None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
 
 
 class Attention(nn.Module):
@@ -53,9 +89,12 @@ class Attention(nn.Module):
         self.heads = heads
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
+        self.kv_cache: KVCache | None = None  # set for in-context inference (tabfm.inference); not state
 
     def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
+        if self.kv_cache is not None:
+            k, v, num_kv = self.kv_cache(k, v, num_kv)
         ctx = attend(q, k, v, num_kv, attn_mask)           # [B..., nh, S, dh]
         return self.proj(ctx.transpose(-3, -2).flatten(-2))
 

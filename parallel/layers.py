@@ -227,6 +227,7 @@ class ParallelAttention(nn.Module):
                                                 overlap_chunks=overlap_chunks)
         self.proj = RowFirstLinear.from_dense(attn.proj, mesh, sequence_parallel=sequence_parallel,
                                               input_gathered=True, overlap_chunks=overlap_chunks)
+        self.kv_cache: dense.KVCache | None = None  # this rank's heads (see dense.KVCache)
 
     @staticmethod
     def layout_problems(attn: dense.Attention, d0: int, d1: int) -> list[str]:
@@ -236,7 +237,7 @@ class ParallelAttention(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.overlap_chunks > 1:
+        if self.overlap_chunks > 1 and self.kv_cache is None:
             y = overlap.attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.mesh, self.overlap_chunks,
                                   local_heads=self.local_heads, num_kv=num_kv, attn_mask=attn_mask,
                                   sequence_parallel=self.sequence_parallel, regather_input=self.qkv.regather_input)
@@ -244,6 +245,8 @@ class ParallelAttention(nn.Module):
                 return self.proj.add_bias(y)
         qkv = self.qkv(x)                                           # [B..., S, 3 * H/N]
         q, k, v = qkv.unflatten(-1, (3, self.local_heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
+        if self.kv_cache is not None:
+            k, v, num_kv = self.kv_cache(k, v, num_kv)
         ctx = dense.attend(q, k, v, num_kv, attn_mask)              # [B..., H/N heads, S, dh]
         # [B..., S, H/N], all-gathered over axis 1 to [B..., S, H/d0] inside proj (chunk by chunk if overlapped)
         return self.proj(ctx.transpose(-3, -2).flatten(-2), gather_input=True)  # [B..., S(/d0), H/d1]

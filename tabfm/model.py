@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,12 @@ from tabfm.parallel import dense
 from tabfm.parallel.layers import gather_activation, shard_activation
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.parallelize import Plan, block_plan, parallelize
+
+if TYPE_CHECKING:
+    from tabfm.inference import Context
+
+TargetStats = tuple[torch.Tensor, torch.Tensor]
+"""(mean, std) [B, 1] of each table's regression targets over its train rows."""
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 
@@ -172,6 +179,30 @@ def train_rows(n_train: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.arange(num_rows, device=n_train.device) < n_train[:, None]
 
 
+@dataclass(frozen=True)
+class KeyRows:
+    """The rows every attention over rows takes its keys/values from: the first `count` rows, of which the
+    first n_train[b] are real in table b. `mask` [B, count] is None when every table has `count` train rows,
+    so attention runs without a mask (and may use a fused kernel that never builds the score matrix)."""
+
+    count: int
+    mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, n_train: torch.Tensor, count: int, known: bool = True) -> KeyRows:
+        """known=False when n_train holds no values (the meta device): keep the mask."""
+        mask = train_rows(n_train, count)
+        if known and int(n_train.min()) >= count:
+            mask = None
+        return cls(count, mask)
+
+    def mask_for(self, leading: int) -> torch.Tensor | None:
+        """The mask as [B, 1, ..., 1, count] with `leading` dims before the key dim (for broadcasting)."""
+        if self.mask is None:
+            return None
+        return self.mask.reshape(self.mask.shape[0], *([1] * (leading - 1)), self.mask.shape[1])
+
+
 def train_stats(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard deviation of x [B, R, ...] over rows (dim 1), weighting each row by `weight` (0/1)."""
     n = weight.sum(1, keepdim=True).clamp_min(1)
@@ -200,16 +231,23 @@ class CellEncoder(nn.Module):
         h = (cat_codes * 1_000_003 + col * 7_919) % (self.cfg.cat_vocab - 1) + 1
         return torch.where(cat_codes < 0, 0, h)
 
+    def stats(self, values: torch.Tensor, missing: torch.Tensor, n_train: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+        """Mean and deviation [B, 1, C] of each numeric column over the observed cells of the train rows."""
+        dtype = self.value_proj.weight.dtype
+        weight = train_rows(n_train, values.shape[1])[:, :, None].to(dtype) * (~missing).to(dtype)
+        return train_stats(values.to(dtype), weight)
+
     def forward(self, values: torch.Tensor, missing: torch.Tensor, cat_codes: torch.Tensor, is_cat: torch.Tensor,
-                n_train: torch.Tensor) -> torch.Tensor:
+                stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """stats: (mean, std) of `stats`, from these rows or from a context encoded earlier."""
         B, R, C = values.shape
         if C > self.cfg.max_columns:
             raise ValueError(f"the table has {C} columns but the model takes at most max_columns="
                              f"{self.cfg.max_columns}; drop columns or use a model with more")
         dtype = self.value_proj.weight.dtype
         values, observed = values.to(dtype), (~missing).to(dtype)
-        weight = train_rows(n_train, R)[:, :, None].to(dtype) * observed       # [B, R, C]: observed train cells
-        mean, std = train_stats(values, weight)                                  # [B, 1, C]
+        mean, std = stats                                                        # [B, 1, C]
         z = ((values - mean) / std).clamp(-self.cfg.value_clip, self.cfg.value_clip) * observed
         numeric = self.value_proj(torch.stack([z, 1 - observed], dim=-1))       # [B, R, C, E]
         categorical = self.cat_embed(self.category_slots(cat_codes))            # [B, R, C, E]
@@ -225,10 +263,10 @@ class ColumnAttention(nn.Module):
         super().__init__()
         self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
 
-    def forward(self, x: torch.Tensor, kv_mask: torch.Tensor, region: Region) -> torch.Tensor:
-        # x [B, R, C, E]; kv_mask [B, T] True on train rows.
+    def forward(self, x: torch.Tensor, kv: KeyRows, region: Region) -> torch.Tensor:
+        # x [B, R, C, E]
         cols = x.transpose(1, 2)                                                 # [B, C, R, E]
-        cols = region(self.block, cols, kv_mask.shape[1], kv_mask[:, None, None, :])
+        cols = region(self.block, cols, kv.count, kv.mask_for(3))
         return cols.transpose(1, 2)
 
 
@@ -252,8 +290,8 @@ class AxialBlock(nn.Module):
         self.column = ColumnAttention(cfg)
         self.row = RowAttention(cfg)
 
-    def forward(self, x: torch.Tensor, kv_mask: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
-        return self.row(self.column(x, kv_mask, region), col_pad, region)
+    def forward(self, x: torch.Tensor, kv: KeyRows, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
+        return self.row(self.column(x, kv, region), col_pad, region)
 
 
 class RowCompression(nn.Module):
@@ -283,10 +321,11 @@ class ICLearning(nn.Module):
         self.blocks = dense.BlockStack(cfg.icl_num_blocks, cfg.icl_dim, cfg.icl_heads, cfg.icl_mlp_ratio)
         self.out_norm = nn.LayerNorm(cfg.icl_dim)
 
-    def forward(self, h: torch.Tensor, label_embedding: torch.Tensor, kv_mask: torch.Tensor,
+    def forward(self, h: torch.Tensor, label_embedding: torch.Tensor | None, kv: KeyRows,
                 region: Region) -> torch.Tensor:
-        # h, label_embedding [B, R, D] (zero on test and padding rows); kv_mask [B, T].
-        h = region(self.blocks, h + label_embedding, kv_mask.shape[1], kv_mask[:, None, :])
+        # h, label_embedding [B, R, D] (zero on test and padding rows; None when all rows are test rows).
+        h = h if label_embedding is None else h + label_embedding
+        h = region(self.blocks, h, kv.count, kv.mask_for(2))
         return self.out_norm(h)
 
 
@@ -342,22 +381,30 @@ class TabFM(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------
 
-    def forward(self, batch: Batch, max_train: int | None = None) -> torch.Tensor:
+    def forward(self, batch: Batch, max_train: int | None = None, context: Context | None = None) -> torch.Tensor:
         """max_train: the most train rows of a table in the batch, when the caller knows it without reading
-        n_train (the planner traces the model on the meta device, where tensors hold no values)."""
+        n_train (the planner traces the model on the meta device, where tensors hold no values).
+        context: train rows encoded earlier (tabfm.inference.encode_context); then every row of `batch` is a
+        test row, its cells are normalised with the context's statistics and the attentions over rows read the
+        context's cached keys/values."""
         B, R, C = batch.values.shape
         n_train = batch.n_train
-        if max_train is None:
-            if int(n_train.min()) < 1:
-                raise ValueError("every table needs at least one train row (n_train >= 1)")
-            max_train = int(n_train.max())
-        T = max_train
-        kv_mask = train_rows(n_train, T)                                         # [B, T]
-        x = self.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, n_train)  # [B, R, C, E]
+        if context is not None:
+            kv, stats, labels = context.key_rows, context.cell_stats, None
+        else:
+            known = max_train is None
+            if known:
+                if int(n_train.min()) < 1:
+                    raise ValueError("every table needs at least one train row (n_train >= 1)")
+                max_train = int(n_train.max())
+            kv = KeyRows.of(n_train, max_train, known)
+            stats = self.cells.stats(batch.values, batch.missing, n_train)
+            labels = self._label_embedding(batch, train_rows(n_train, R))
+        x = self.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, stats)  # [B, R, C, E]
         for block in self.axial:
-            x = block(x, kv_mask, batch.col_pad, self.region)
+            x = block(x, kv, batch.col_pad, self.region)
         h = self.compress(x, batch.col_pad, self.region)                        # [B, R, D]
-        h = self.icl(h, self._label_embedding(batch, train_rows(n_train, R)), kv_mask, self.region)
+        h = self.icl(h, labels, kv, self.region)
         if batch.task == "regression":
             return self.bin_head(h)                                              # [B, R, num_bins]
         logits = self.class_head(h)                                              # [B, R, max_classes]
@@ -388,14 +435,15 @@ class TabFM(nn.Module):
             return logits.argmax(-1)
         return self.regression_mean(batch, logits)
 
-    def regression_mean(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        """Mean of the binned distribution [B, R], mapped back to target units with the train-row statistics."""
+    def regression_mean(self, batch: Batch | TargetStats, logits: torch.Tensor) -> torch.Tensor:
+        """Mean of the binned distribution [B, R], mapped back to target units with the train-row statistics
+        (of the batch, or given as (mean, std) [B, 1], e.g. a Context's)."""
         edges = self.bin_edges()
         centers = (edges[:-1] + edges[1:]) / 2
-        mean, std = self.target_stats(batch)
+        mean, std = self.target_stats(batch) if isinstance(batch, Batch) else batch
         return (logits.softmax(-1) @ centers) * std + mean
 
-    def regression_quantiles(self, batch: Batch, logits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def regression_quantiles(self, batch: Batch | TargetStats, logits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Quantiles q [Q] of the binned distribution [B, R, Q] in target units (uniform density inside a bin)."""
         edges = self.bin_edges()
         cdf = torch.cat([torch.zeros_like(logits[..., :1]), logits.softmax(-1).cumsum(-1)], -1)  # [B, R, n+1]
@@ -404,7 +452,7 @@ class TabFM(nn.Module):
         lo, hi = cdf.gather(-1, k - 1), cdf.gather(-1, k)
         frac = ((q - lo) / (hi - lo).clamp_min(1e-12)).clamp(0, 1)
         z = edges[k - 1] + frac * (edges[k] - edges[k - 1])
-        mean, std = self.target_stats(batch)
+        mean, std = self.target_stats(batch) if isinstance(batch, Batch) else batch
         return z * std[..., None] + mean[..., None]
 
 

@@ -173,7 +173,8 @@ def test_permuting_test_rows_permutes_their_predictions():
 def test_normalisation_uses_train_rows_only():
     model, batch = tiny_model(), make_batch()
     cells = model.cells
-    args = lambda bt: (bt.values, bt.missing, bt.cat_codes, bt.is_cat, bt.n_train)  # noqa: E731
+    args = lambda bt: (bt.values, bt.missing, bt.cat_codes, bt.is_cat,  # noqa: E731
+                       cells.stats(bt.values, bt.missing, bt.n_train))
     with torch.no_grad():
         x = cells(*args(batch))
         x2 = cells(*args(_perturb_row(batch, 1, 9)))
