@@ -36,7 +36,7 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_dat
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.model import TabFM
-from tabfm.preprocess import SCALINGS, Cells, TablePreprocessor
+from tabfm.preprocess import SCALINGS, Cells, TablePreprocessor, check_table_shape
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "tabfm-small.safetensors"
 CONTEXT_CELL_BUDGET = 1 << 22
@@ -233,7 +233,8 @@ class _TabFMBase(BaseEstimator):
     def _member_outputs(self, X: Any) -> np.ndarray:
         """[M, n, Y] per-member outputs (class-group probabilities, or predictive means [M, n, 1])."""
         check_is_fitted(self, "preprocessor_")
-        validate_data(self, X, reset=False, skip_check_array=True)
+        check_table_shape(X)
+        validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
         cells = self.preprocessor_.transform(X)
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
@@ -252,7 +253,7 @@ class _TabFMBase(BaseEstimator):
                 if self._task == "regression":
                     labels = labels.to(self.dtype_)
                 batch = self._batch(parts, labels, 0, self._n_outputs())
-                logits = predict_logits(model, context, batch).float()
+                logits = predict_logits(model, context, batch).double()  # decoded in float64 whatever the model's dtype
                 res = self._decode_member(model, context, logits).cpu().numpy()
                 if out is None:
                     out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
@@ -279,6 +280,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
         """Preprocess and encode the train rows; y: class labels (any hashable values)."""
+        check_table_shape(X)
         y = column_or_1d(y, warn=True)
         check_classification_targets(y)
         if y.dtype.kind == "f" and not np.isfinite(y).all():
@@ -326,7 +328,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))
 
     def predict(self, X: Any) -> np.ndarray:
-        return self.classes_[self.predict_proba(X).argmax(1)]
+        proba = self.predict_proba(X)
+        return self.classes_[proba.argmax(1)]
 
 
 class TabFMRegressor(RegressorMixin, _TabFMBase):
@@ -337,6 +340,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
 
     def fit(self, X: Any, y: Any) -> TabFMRegressor:
         """Preprocess and encode the train rows; y: real targets."""
+        check_table_shape(X)
         y = column_or_1d(y, warn=True)
         try:
             y = y.astype(np.float64)
@@ -354,8 +358,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         return y
 
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
-        mean, std = context.target_stats
-        return model.regression_mean((mean.float(), std.float()), logits.float()).unsqueeze(-1)
+        return model.regression_mean(context.target_stats, logits).unsqueeze(-1)
 
     def predict(self, X: Any) -> np.ndarray:
         """[n] predicted targets."""

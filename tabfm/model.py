@@ -438,10 +438,10 @@ class TabFM(nn.Module):
     def regression_mean(self, batch: Batch | TargetStats, logits: torch.Tensor) -> torch.Tensor:
         """Mean of the binned distribution [B, R], mapped back to target units with the train-row statistics
         (of the batch, or given as (mean, std) [B, 1], e.g. a Context's)."""
-        edges = self.bin_edges()
+        edges = self.bin_edges().to(logits.dtype)
         centers = (edges[:-1] + edges[1:]) / 2
         mean, std = self.target_stats(batch) if isinstance(batch, Batch) else batch
-        return (logits.softmax(-1) @ centers) * std + mean
+        return (logits.softmax(-1) @ centers) * std.to(logits.dtype) + mean.to(logits.dtype)
 
     def regression_quantiles(self, batch: Batch | TargetStats, logits: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Quantiles q [Q] of the binned distribution [B, R, Q] in target units (uniform density inside a bin)."""

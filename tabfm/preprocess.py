@@ -85,14 +85,17 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any], bool]:
             raise TypeError("X is a polars LazyFrame: collect() it first")
     except ImportError:  # polars is a dependency; keep numpy-only use working without it
         pass
+    if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
+        raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
+                        "use X.toarray() to convert it to a dense numpy array")
     if hasattr(X, "iloc") and hasattr(X, "columns"):  # pandas
         return [str(c) for c in X.columns], [X.iloc[:, i] for i in range(X.shape[1])], True
     arr = np.asarray(X)
     if arr.dtype.kind == "c":
         raise ValueError("Complex data not supported: X must hold real numbers or categories")
     if arr.ndim == 1:
-        raise ValueError(f"X must be 2-D (rows x features); got a 1-D array of {arr.shape[0]} values: use "
-                         "X.reshape(-1, 1) for one feature or X.reshape(1, -1) for one row")
+        raise ValueError(f"X must be 2-D (rows x features); got a 1-D array of {arr.shape[0]} values. Reshape your "
+                         "data: X.reshape(-1, 1) for one feature or X.reshape(1, -1) for one row")
     if arr.ndim != 2:
         raise ValueError(f"X must be 2-D (rows x features); got shape {arr.shape}")
     return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])], False
@@ -149,6 +152,19 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
     return "categorical", out
 
 
+def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
+    """(column names, columns) of a table with at least one row and one column; a clear error otherwise."""
+    names, cols, _ = _columns_of(X)
+    n = len(cols[0]) if cols else len(X)
+    if not names:
+        raise ValueError(f"Found array with 0 feature(s) (shape=({n}, 0)) while a minimum of 1 is required: "
+                         "X needs at least one column")
+    if n == 0:
+        raise ValueError(f"Found array with 0 sample(s) (shape=(0, {len(names)})) while a minimum of 1 is "
+                         "required: X needs at least one row")
+    return names, cols
+
+
 class TablePreprocessor:
     """Learns the columns of the train rows; see the module docstring for the rules."""
 
@@ -175,10 +191,8 @@ class TablePreprocessor:
         return out
 
     def fit(self, X: Any) -> TablePreprocessor:
-        names, cols, _ = _columns_of(X)
-        n = len(cols[0]) if cols else 0
-        if n == 0 or not names:
-            raise ValueError(f"X is empty ({n} rows x {len(names)} columns): fit needs at least one row and column")
+        names, cols = check_table_shape(X)
+        n = len(cols[0])
         self.names_ = names
         forced = self._forced(names)
         columns: list[Column] = []
@@ -223,11 +237,15 @@ class TablePreprocessor:
 
     def transform(self, X: Any) -> Cells:
         names, cols, _ = _columns_of(X)
+        if not names:
+            raise ValueError(f"Found array with 0 feature(s) (shape=({len(X)}, 0)) while a minimum of 1 is required; "
+                             f"the estimator was fitted with {len(self.names_)} features")
         if len(names) != len(self.names_):
             raise ValueError(f"X has {len(names)} features, but the estimator was fitted with {len(self.names_)}")
         n = len(cols[0])
         if n == 0:
-            raise ValueError("X has no rows")
+            raise ValueError(f"Found array with 0 sample(s) (shape=(0, {len(names)})) while a minimum of 1 is "
+                             "required: X has no rows to predict")
         C = max(len(self.columns_), 1)  # all columns constant: one empty column, so the model still has a token
         values = np.full((n, C), np.nan)
         codes = np.full((n, C), -1, np.int64)

@@ -1,0 +1,100 @@
+"""Cached in-context inference: the train rows encoded once, then test rows alone, equal one forward of the whole
+table; and the same on 2 and 4 gloo ranks (tensor and sequence parallel) as in one process (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_harness import get_mesh
+from test_model import tiny_model
+
+from tabfm.data.encode import Batch
+from tabfm.inference import encode_context, predict_logits
+from tabfm.model import parallelize_model
+
+TOL = 1e-10
+ROWS, TRAIN, COLS = 13, 8, 5
+
+
+def full_table(task: str, seed: int = 0) -> Batch:
+    """Two tables of 13 rows (8 train), 5 columns (one categorical), some missing cells."""
+    g = torch.Generator().manual_seed(seed)
+    B = 2
+    values = torch.randn(B, ROWS, COLS, generator=g, dtype=torch.float64) * 2 + 1
+    missing = torch.rand(B, ROWS, COLS, generator=g) < 0.1
+    is_cat = torch.tensor([False, False, True, False, False]).expand(B, COLS)
+    cat_codes = torch.where(is_cat[:, None, :] & ~missing, torch.randint(0, 3, (B, ROWS, COLS), generator=g), -1)
+    values = torch.where(is_cat[:, None, :] | missing, 0.0, values)
+    if task == "classification":
+        labels, n_classes = torch.randint(0, 3, (B, ROWS), generator=g), torch.tensor([3, 2])
+        labels[1] %= 2
+    else:
+        labels, n_classes = torch.randn(B, ROWS, generator=g, dtype=torch.float64) * 4, torch.zeros(B, dtype=torch.long)
+    return Batch(values=values, missing=missing, cat_codes=cat_codes, is_cat=is_cat, n_cats=torch.where(is_cat, 3, 0),
+                 labels=labels, n_train=torch.full((B,), TRAIN), n_classes=n_classes,
+                 row_pad=torch.zeros(B, ROWS, dtype=torch.bool), col_pad=torch.zeros(B, COLS, dtype=torch.bool),
+                 task=task)
+
+
+def rows_of(batch: Batch, rows: slice, n_train: int) -> Batch:
+    per_row = ("values", "missing", "cat_codes", "labels", "row_pad")
+    parts = {k: (v[:, rows] if k in per_row else v) for k, v in batch.tensors().items()}
+    parts["n_train"] = torch.full_like(batch.n_train, n_train)
+    return Batch(**parts, task=batch.task)
+
+
+def cached_logits(model, batch: Batch, test_chunks: int = 2) -> torch.Tensor:
+    """Encode the train rows, then predict the test rows in `test_chunks` batches."""
+    context = encode_context(model, rows_of(batch, slice(0, TRAIN), TRAIN))
+    bounds = torch.linspace(TRAIN, ROWS, test_chunks + 1).long().tolist()
+    return torch.cat([predict_logits(model, context, rows_of(batch, slice(a, b), 0))
+                      for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=1)
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_cached_context_equals_full_forward(task):
+    model, batch = tiny_model().eval(), full_table(task)
+    with torch.no_grad():
+        full = model(batch)[:, TRAIN:]
+    for chunks in (1, 2, 5):
+        assert (cached_logits(model, batch, chunks) - full).abs().max() <= TOL
+    # The cache holds keys and values of the train rows only, at every attention over rows.
+    context = encode_context(model, rows_of(batch, slice(0, TRAIN), TRAIN))
+    assert all(c.k.shape[-2] == TRAIN for c in context.caches)
+    assert len(context.caches) == model.config.axial_num_blocks + model.config.icl_num_blocks
+
+
+def test_context_checks_its_inputs():
+    model, batch = tiny_model().eval(), full_table("classification")
+    with pytest.raises(ValueError, match="train rows only"):
+        encode_context(model, batch)
+    context = encode_context(model, rows_of(batch, slice(0, TRAIN), TRAIN))
+    narrow = rows_of(batch, slice(TRAIN, ROWS), 0)
+    narrow = Batch(**{**narrow.tensors(), "values": narrow.values[..., :3], "missing": narrow.missing[..., :3],
+                      "cat_codes": narrow.cat_codes[..., :3], "is_cat": narrow.is_cat[:, :3],
+                      "n_cats": narrow.n_cats[:, :3], "col_pad": narrow.col_pad[:, :3]}, task="classification")
+    with pytest.raises(ValueError, match="columns"):
+        predict_logits(model, context, narrow)
+    # Attaching caches never leaks into a later plain forward.
+    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+
+
+def _sharded(d0: int, d1: int, sp: bool) -> dict[str, float]:
+    mesh = get_mesh(d0, d1)
+    errors = {}
+    for task in ("classification", "regression"):
+        model, batch = tiny_model().eval(), full_table(task)
+        with torch.no_grad():
+            full = model(batch)[:, TRAIN:]
+        par = parallelize_model(copy.deepcopy(model), mesh, sequence_parallel=sp)
+        errors[task] = float((cached_logits(par, batch) - full).abs().max())
+    return errors
+
+
+@pytest.mark.parametrize("world,d0,d1", [(2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 4, 1)])
+@pytest.mark.parametrize("sp", [False, True])
+def test_sharded_cached_inference_equals_one_process(ranks, world, d0, d1, sp):
+    for rank_errors in ranks(world).run(_sharded, d0, d1, sp):
+        assert max(rank_errors.values()) <= TOL, rank_errors
