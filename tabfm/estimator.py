@@ -282,9 +282,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         """Preprocess and encode the train rows; y: class labels (any hashable values)."""
         check_table_shape(X)
         y = column_or_1d(y, warn=True)
-        check_classification_targets(y)
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise ValueError("y holds NaN or inf: drop those rows or give them a class")
+        check_classification_targets(y)
         if any(v is None for v in y.tolist()):
             raise ValueError("y holds None: drop those rows or give them a class")
         self.classes_, y_ids = np.unique(y, return_inverse=True)

@@ -1,0 +1,226 @@
+"""TabFMClassifier / TabFMRegressor: scikit-learn's estimator checks, mixed inputs, bad input, invariances, pickling,
+many classes, and sharded inference on 2 and 4 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pandas as pd
+import polars as pl
+import pytest
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from tabfm import inference
+from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
+
+FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
+                    "the float64 instance passes this check exactly")
+WEAK_REGRESSION = ("the shipped small model reaches R^2 of about 0.1 on this check's 10-feature problem with one "
+                   "informative feature (ridge: 0.8); see README, Status")
+
+
+def _expected_failures(est) -> dict[str, str]:
+    out = {}
+    if est.dtype == "float32":
+        out["check_methods_subset_invariance"] = FLOAT32_ROUNDING
+    if isinstance(est, TabFMRegressor):
+        out["check_regressors_train"] = WEAK_REGRESSION
+    return out
+
+
+@parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(n_estimators=2),
+                          TabFMClassifier(n_estimators=2, dtype="float64"),
+                          TabFMRegressor(n_estimators=2, dtype="float64")],
+                         expected_failed_checks=_expected_failures)
+def test_sklearn_compatible(estimator, check):
+    check(estimator)
+
+
+def mixed_frame(n: int, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
+    """Numeric, string-categorical, boolean, constant and partly missing columns; the class depends on x and colour."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    colour = rng.choice(["red", "green", "blue"], size=n)
+    df = pd.DataFrame({
+        "x": x,
+        "noise": rng.normal(size=n) * 100 + 5,
+        "colour": colour,
+        "flag": rng.random(n) < 0.5,
+        "const": np.full(n, 3.0),
+        "gappy": np.where(rng.random(n) < 0.3, np.nan, rng.normal(size=n)),
+    })
+    y = np.where(x + (colour == "red") * 1.5 > 0.5, "yes", "no")
+    return df, y
+
+
+def test_mixed_pandas_and_polars_inputs_agree():
+    df, y = mixed_frame(160)
+    clf = TabFMClassifier(n_estimators=2).fit(df[:120], y[:120])
+    proba = clf.predict_proba(df[120:])
+    assert proba.shape == (40, 2) and np.allclose(proba.sum(1), 1)
+    assert list(clf.classes_) == ["no", "yes"]
+    assert clf.score(df[120:], y[120:]) > 0.7  # x and colour decide the class
+    kinds = {c.name: c.kind for c in clf.preprocessor_.columns_}
+    assert kinds == {"x": "numeric", "noise": "numeric", "colour": "categorical", "flag": "categorical",
+                     "gappy": "numeric"}  # the constant column is dropped
+    as_polars = TabFMClassifier(n_estimators=2).fit(pl.from_pandas(df[:120]), y[:120])
+    assert np.allclose(as_polars.predict_proba(pl.from_pandas(df[120:])), proba, atol=1e-6)
+    # A category no train row has, and a missing one, are accepted at predict.
+    test = df[120:].copy()
+    test.loc[test.index[:3], "colour"] = ["purple", None, "red"]
+    assert np.isfinite(clf.predict_proba(test)).all()
+
+
+def test_numpy_object_array_with_strings():
+    df, y = mixed_frame(100)
+    X = df[["x", "colour"]].to_numpy(dtype=object)
+    clf = TabFMClassifier(n_estimators=1).fit(X[:80], y[:80])
+    assert [c.kind for c in clf.preprocessor_.columns_] == ["numeric", "categorical"]
+    assert clf.predict(X[80:]).shape == (20,)
+
+
+def test_categorical_features_option_forces_codes():
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 4, size=(60, 2)).astype(float)
+    y = (X[:, 0] == 2).astype(int)
+    clf = TabFMClassifier(n_estimators=1, categorical_features=[0]).fit(X, y)
+    assert [c.kind for c in clf.preprocessor_.columns_] == ["categorical", "numeric"]
+    assert clf.preprocessor_.columns_[0].categories == ("0", "1", "2", "3")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: (np.ones((5, 2)), np.array([0, 1, np.nan, 0, 1])), "NaN or inf"),
+    (lambda: (np.ones((5, 2)), np.array([0, 1, np.inf, 0, 1])), "NaN or inf"),
+    (lambda: (np.random.default_rng(0).normal(size=(5, 2)), np.zeros(5)), "1 class"),
+    (lambda: (np.array([[1.0, "a"], [2.0, 3.0]], dtype=object), np.array([0, 1])), "mixes numbers and strings"),
+    (lambda: (np.empty((0, 3)), np.empty(0)), "0 sample"),
+    (lambda: (np.empty((4, 0)), np.array([0, 1, 0, 1])), "0 feature"),
+    (lambda: (np.random.default_rng(0).normal(size=(20, 101)), np.arange(20) % 2), "at most 100"),
+    (lambda: (np.array([[1.0, np.inf], [2.0, 3.0]]), np.array([0, 1])), "inf"),
+])
+def test_bad_fit_input_gets_a_clear_error(make, match):
+    X, y = make()
+    with pytest.raises(ValueError, match=match):
+        TabFMClassifier(n_estimators=1).fit(X, y)
+
+
+def test_bad_regression_target():
+    X = np.random.default_rng(0).normal(size=(6, 2))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        TabFMRegressor(n_estimators=1).fit(X, np.array([1.0, 2, np.nan, 3, 4, 5]))
+    with pytest.raises(ValueError, match="must hold numbers"):
+        TabFMRegressor(n_estimators=1).fit(X, np.array(list("abcdef"), dtype=object))
+
+
+def test_bad_predict_input_gets_a_clear_error():
+    df, y = mixed_frame(60)
+    clf = TabFMClassifier(n_estimators=1).fit(df, y)
+    strings = df.copy()
+    strings["x"] = strings["x"].astype(object)
+    strings.loc[strings.index[0], "x"] = "oops"
+    with pytest.raises(ValueError, match="mixes numbers and strings"):
+        clf.predict(strings)
+    all_strings = df.assign(x=["s"] * len(df))
+    with pytest.raises(ValueError, match="numeric at fit but holds strings"):
+        clf.predict(all_strings)
+    with pytest.raises(ValueError, match="feature names"):
+        clf.predict(df.rename(columns={"x": "renamed"}))
+    with pytest.raises(ValueError, match="missing:\n- noise"):
+        clf.predict(df.drop(columns=["noise"]))
+    with pytest.raises(ValueError, match="X has 5 features, but TabFMClassifier is expecting 6"):
+        clf.predict(df.drop(columns=["noise"]).to_numpy())
+    with pytest.raises(ValueError, match="0 sample"):
+        clf.predict(df[:0])
+    with pytest.raises(ValueError, match="Reshape your data"):
+        TabFMClassifier(n_estimators=1).fit(np.ones((4, 2)), [0, 1, 0, 1]).predict(np.ones(2))
+
+
+@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
+def test_predictions_do_not_depend_on_test_row_order(Est):
+    df, y = mixed_frame(150, seed=1)
+    y = (y == "yes").astype(float) + df["x"].to_numpy() if Est is TabFMRegressor else y
+    est = Est(n_estimators=3, batch_size=7).fit(df[:100], y[:100])
+    test = df[100:]
+    out = est.predict_proba(test) if Est is TabFMClassifier else est.predict(test)
+    perm = np.random.default_rng(0).permutation(len(test))
+    out_perm = est.predict_proba(test.iloc[perm]) if Est is TabFMClassifier else est.predict(test.iloc[perm])
+    np.testing.assert_allclose(out_perm, out[perm], rtol=1e-5, atol=1e-6)
+    # Each row alone gives what it gets among the others.
+    one = est.predict_proba(test.iloc[[5]]) if Est is TabFMClassifier else est.predict(test.iloc[[5]])
+    np.testing.assert_allclose(one[0], out[5], rtol=1e-5, atol=1e-6)
+
+
+def test_pickled_estimator_predicts_the_same(monkeypatch):
+    df, y = mixed_frame(120)
+    clf = TabFMClassifier(n_estimators=2).fit(df[:90], y[:90])
+    proba = clf.predict_proba(df[90:])
+    blob = pickle.dumps(clf)
+    assert len(blob) < 1_000_000  # the caches are not stored; the model is the shipped file, not its weights
+    restored = pickle.loads(blob)
+    np.testing.assert_array_equal(restored.predict_proba(df[90:]), proba)
+
+
+def test_train_rows_are_encoded_once(monkeypatch):
+    df, y = mixed_frame(120)
+    calls = []
+    real = inference.encode_context
+    monkeypatch.setattr("tabfm.estimator.encode_context", lambda *a, **k: calls.append(1) or real(*a, **k))
+    clf = TabFMClassifier(n_estimators=4).fit(df[:90], y[:90])
+    n_fit = len(calls)
+    first = clf.predict_proba(df[90:])
+    np.testing.assert_array_equal(clf.predict_proba(df[90:]), first)
+    assert n_fit >= 1 and len(calls) == n_fit  # predicts reuse the contexts encoded at fit
+
+
+def test_more_classes_than_the_head():
+    rng = np.random.default_rng(0)
+    K = 14
+    centres = rng.normal(size=(K, 2)) * 8
+    y = np.repeat(np.arange(K), 12)
+    X = centres[y] + rng.normal(size=(len(y), 2)) * 0.3
+    order = rng.permutation(len(y))
+    X, y = X[order], y[order]
+    clf = TabFMClassifier(n_estimators=2).fit(X[:130], y[:130])
+    assert clf.n_members_ >= 4 and clf.n_groups_ == 10
+    proba = clf.predict_proba(X[130:])
+    assert proba.shape == (len(y) - 130, K) and np.allclose(proba.sum(1), 1)
+    assert clf.score(X[130:], y[130:]) > 3 / K  # far above chance (1/14)
+
+
+def test_class_codes_separate_every_pair():
+    codes = class_codes(37, 10, 4, np.random.default_rng(0))
+    assert codes.shape == (4, 37) and codes.max() == 9
+    same = (codes[:, :, None] == codes[:, None, :]).all(0)
+    assert same.sum() == 37
+    assert all(np.bincount(c).max() - np.bincount(c).min() <= 1 for c in codes)  # balanced groups
+    small = class_codes(3, 10, 3, np.random.default_rng(0))
+    assert list(small[0]) == [0, 1, 2] and all(sorted(r) == [0, 1, 2] for r in small)
+
+
+def test_checkpoint_option():
+    with pytest.raises(ValueError, match="does not exist"):
+        TabFMClassifier(checkpoint="/no/such/model.safetensors").fit(np.ones((4, 2)), [0, 1, 0, 1])
+
+
+def _sharded_predictions(d0: int, d1: int, sp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    df, y = mixed_frame(90, seed=2)
+    target = df["x"].to_numpy() * 2 + (y == "yes")
+    kwargs = dict(n_estimators=2, dtype="float64", batch_size=16)
+    clf = TabFMClassifier(**kwargs).fit(df[:60], y[:60])
+    tp_clf = TabFMClassifier(tensor_parallel=(d0, d1), sequence_parallel=sp, **kwargs).fit(df[:60], y[:60])
+    reg = TabFMRegressor(**kwargs).fit(df[:60], target[:60])
+    tp_reg = TabFMRegressor(tensor_parallel=(d0, d1), sequence_parallel=sp, **kwargs).fit(df[:60], target[:60])
+    return (clf.predict_proba(df[60:]), tp_clf.predict_proba(df[60:]), reg.predict(df[60:]), tp_reg.predict(df[60:]))
+
+
+@pytest.mark.parametrize("world,d0,d1,sp", [(2, 2, 1, True), (2, 1, 2, False), (4, 2, 2, True), (4, 4, 1, False)])
+def test_sharded_inference_equals_one_process(ranks, world, d0, d1, sp):
+    for clf, tp_clf, reg, tp_reg in ranks(world).run(_sharded_predictions, d0, d1, sp):
+        np.testing.assert_allclose(tp_clf, clf, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(tp_reg, reg, rtol=1e-10, atol=1e-10)
+
+
+def test_tensor_parallel_needs_the_processes():
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
+        TabFMClassifier(tensor_parallel=(2, 2)).fit(np.random.default_rng(0).normal(size=(8, 2)), [0, 1] * 4)
