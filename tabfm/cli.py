@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; subcommands register themselves through their `add_parser(subparsers)`."""
-    from tabfm import _cli_demo, _cli_gen, _cli_plan, _cli_train
+    from tabfm import _cli_demo, _cli_gen, _cli_plan, _cli_predict, _cli_train
 
     parser = argparse.ArgumentParser(prog="tabfm", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (_cli_train, _cli_plan, _cli_demo, _cli_gen):
+    for module in (_cli_train, _cli_predict, _cli_plan, _cli_demo, _cli_gen):
         module.add_parser(subparsers)
     return parser
 
