@@ -110,8 +110,13 @@ class Block(nn.Module):
         self.mlp = Mlp(hidden, mlp_ratio * hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), num_kv=num_kv, attn_mask=attn_mask)
-        return x + self.mlp(self.norm2(x))
+        h = self.attn(self.norm1(x), num_kv=num_kv, attn_mask=attn_mask)
+        if hasattr(self.norm2, "forward_residual"):  # ParallelLayerNorm: the residual add fused into its statistics
+            x, normed = self.norm2.forward_residual(h, x)
+        else:
+            x = x + h
+            normed = self.norm2(x)
+        return x + self.mlp(normed)
 
 
 class BlockStack(nn.Module):
