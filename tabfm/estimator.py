@@ -40,7 +40,8 @@ from tabfm.preprocess import SCALINGS, Cells, TablePreprocessor, check_table_sha
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "tabfm-small.safetensors"
 CONTEXT_CELL_BUDGET = 1 << 22
-"""Most train cells (rows x columns x members) encoded in one forward: bounds the memory of fit."""
+"""Most train cells (rows x columns x members) encoded in one forward: how many ensemble members share a forward
+at fit. One member's context is always encoded in one forward (its memory grows with its rows x columns)."""
 
 _MODELS: dict[tuple, TabFM] = {}  # loaded plain models, shared by estimators (weights are read-only here)
 _MESHES: dict[tuple, Any] = {}
