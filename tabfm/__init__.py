@@ -1,8 +1,19 @@
 """tabfm: a tabular foundation model with ATP adaptive 2D tensor parallelism built in.
 
-The public surface is what this module exports; everything else is internal.
+The public surface is what this module exports; everything else is internal. The estimators are imported on
+first use, so `import tabfm` (and the `tabfm` command) stays light.
 """
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["TabFMClassifier", "TabFMRegressor", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("TabFMClassifier", "TabFMRegressor"):
+        from tabfm import estimator
+
+        return getattr(estimator, name)
+    raise AttributeError(f"module 'tabfm' has no attribute {name!r}")
