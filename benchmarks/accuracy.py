@@ -382,6 +382,8 @@ def main() -> None:
     p.add_argument("--max-context-rows", type=int, default=None,
                    help="tabfm train rows per member (default: the estimator's, all rows)")
     p.add_argument("--device", default=None, help="tabfm device: cpu, cuda, auto (default: the estimator's)")
+    p.add_argument("--checkpoint", default=None, help="tabfm weights: merged .safetensors or checkpoint folder "
+                   "(default: the shipped model)")
     p.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for accuracy.txt / .csv")
     args = p.parse_args()
@@ -393,7 +395,7 @@ def main() -> None:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     names = (args.tables.split(",") if args.tables else sorted(f.stem for f in DATASETS_DIR.glob("*.json")))
     ours = {k: v for k, v in (("n_estimators", args.n_estimators), ("max_context_rows", args.max_context_rows),
-                              ("device", args.device)) if v is not None}
+                              ("device", args.device), ("checkpoint", args.checkpoint)) if v is not None}
     if "tabfm" in models:
         _warm_up(ours)
     tables = {n: load_real_table(n) for n in names}
@@ -419,7 +421,8 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; "
         f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
         f"tabfm: n_estimators={est_params['n_estimators']}, max_context_rows={est_params['max_context_rows']}, "
-        f"device={est_params['device']}, dtype={est_params['dtype']}, random_state={est_params['random_state']}",
+        f"device={est_params['device']}, dtype={est_params['dtype']}, random_state={est_params['random_state']}, "
+        f"checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
         "", *summary, "Per table (mean over folds)", "",
         *per_table_lines(tables, per_table, [m for m in MODELS if m in models]), "",
         *target_lines(means, cls_models), "",

@@ -23,6 +23,7 @@ calls fit / predict with the same data and gets the one-process result.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "tabfm-small.
 CONTEXT_CELL_BUDGET = 1 << 22
 """Most train cells (rows x columns x members) encoded in one forward: how many ensemble members share a forward
 at fit. One member's context is always encoded in one forward (its memory grows with its rows x columns)."""
+
+CALIBRATION_ROWS = 1000
+"""Most held-out train rows the classifier's temperature is fitted on."""
 
 _MODELS: dict[tuple, TabFM] = {}  # loaded plain models, shared by estimators (weights are read-only here)
 _MESHES: dict[tuple, Any] = {}
@@ -175,14 +179,17 @@ class _TabFMBase(BaseEstimator):
         self.n_members_ = n_members
         self.feature_orders_ = np.stack([np.arange(C)] + [rng.permutation(C) for _ in range(n_members - 1)])
         self.scalings_ = [SCALINGS[m % len(SCALINGS)] for m in range(n_members)]
-        rows = self.max_context_rows
-        if rows is not None and n > rows:
-            self.context_rows_ = np.stack([np.sort(rng.choice(n, rows, replace=False)) for _ in range(n_members)])
-        else:
-            self.context_rows_ = np.tile(np.arange(n), (n_members, 1))
+        self.context_rows_ = self._draw_context_rows(n, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
         self._encode_contexts()
+
+    def _draw_context_rows(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """[M, T] the train rows each member's context holds: all of them, or max_context_rows drawn per member."""
+        rows = self.max_context_rows
+        if rows is not None and n > rows:
+            return np.stack([np.sort(rng.choice(n, rows, replace=False)) for _ in range(self.n_members_)])
+        return np.tile(np.arange(n), (self.n_members_, 1))
 
     def _model(self) -> TabFM:
         tp = None if self.tensor_parallel is None else tuple(self.tensor_parallel)
@@ -232,11 +239,13 @@ class _TabFMBase(BaseEstimator):
     # -- predict -----------------------------------------------------------------------------------------
 
     def _member_outputs(self, X: Any) -> np.ndarray:
-        """[M, n, Y] per-member outputs (class-group probabilities, or predictive means [M, n, 1])."""
+        """[M, n, Y] per-member outputs (class-group log-probabilities, or predictive means [M, n, 1])."""
         check_is_fitted(self, "preprocessor_")
         check_table_shape(X)
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
-        cells = self.preprocessor_.transform(X)
+        return self._cell_outputs(self.preprocessor_.transform(X))
+
+    def _cell_outputs(self, cells: Cells) -> np.ndarray:
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
         model = self._model()
@@ -246,8 +255,7 @@ class _TabFMBase(BaseEstimator):
 
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
-            sub = Cells(cells.values[start:start + self.batch_size], cells.codes[start:start + self.batch_size],
-                        cells.is_cat, cells.n_cats)
+            sub = cells.take(slice(start, start + self.batch_size))
             for members, context in self.contexts_:
                 parts = self._member_values(sub, members)
                 labels = torch.full(parts["values"].shape[:2], IGNORE_LABEL if self._task == "classification" else 0)
@@ -274,10 +282,22 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     the shipped model), categorical_features ("auto" or column indices / names), max_context_rows (subsample
     the train rows per member; None: all), batch_size (test rows per forward), device ("cpu", "cuda", "auto"),
     dtype ("float32", "float64", "bfloat16"), tensor_parallel ((d0, d1) under torchrun), sequence_parallel,
-    random_state, verbose (a progress bar over test batches).
+    random_state, verbose (a progress bar over test batches), calibrate (fit a softmax temperature on held-out
+    train rows: the shipped model is under-confident, and this costs about one more fit).
     """
 
     _task = "classification"
+
+    def __init__(self, n_estimators: int = 4, *, checkpoint: str | Path | None = None,
+                 categorical_features: str | list[int | str] = "auto", max_context_rows: int | None = None,
+                 batch_size: int = 1024, device: str = "cpu", dtype: str = "float32",
+                 tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True,
+                 random_state: int | None = 0, verbose: bool = False, calibrate: bool = True):
+        super().__init__(n_estimators, checkpoint=checkpoint, categorical_features=categorical_features,
+                         max_context_rows=max_context_rows, batch_size=batch_size, device=device, dtype=dtype,
+                         tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+                         random_state=random_state, verbose=verbose)
+        self.calibrate = calibrate
 
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
         """Preprocess and encode the train rows; y: class labels (any hashable values)."""
@@ -300,7 +320,47 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.random_state))
         self.n_groups_ = min(K, max_classes)
         self._fit_common(X, y_ids.astype(np.int64), n_members, model)
+        self.temperature_ = self._fit_temperature() if self.calibrate else 1.0
         return self
+
+    def _fit_temperature(self) -> float:
+        """The softmax temperature that minimises the log-loss of held-out train rows (a stratified 20%, at most
+        1,000 rows) predicted from the other train rows by the same ensemble; 1.0 when too few rows."""
+        y, n = self.y_train_, len(self.y_train_)
+        rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
+        held = []
+        for c in range(len(self.classes_)):
+            rows = np.flatnonzero(y == c)
+            held.extend(rng.choice(rows, int(0.2 * len(rows)), replace=False))
+        held = np.sort(np.asarray(held, dtype=np.int64))
+        if len(held) > CALIBRATION_ROWS:
+            held = np.sort(rng.choice(held, CALIBRATION_ROWS, replace=False))
+        if len(held) < 10:
+            return 1.0
+        keep = np.setdiff1d(np.arange(n), held)
+        probe = copy.copy(self)
+        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
+        probe.context_rows_ = probe._draw_context_rows(len(keep), rng)
+        probe.contexts_ = None
+        logp = probe._cell_outputs(self.train_cells_.take(held))
+        temps = np.exp(np.linspace(np.log(0.2), np.log(3.0), 41))
+        losses = [-np.log(np.clip(self._combine(logp, t)[np.arange(len(held)), y[held]], 1e-15, None)).mean()
+                  for t in temps]
+        return float(temps[int(np.argmin(losses))])
+
+    def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
+        """Members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax temperature."""
+        z = logp / temperature
+        groups = np.exp(z - z.max(-1, keepdims=True))
+        groups /= groups.sum(-1, keepdims=True)
+        per_class = np.take_along_axis(groups, self.class_codes_[:, None, :], axis=2)  # [M, n, K]
+        if len(self.classes_) <= self.n_groups_:
+            proba = per_class.mean(0)
+        else:
+            sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in self.class_codes_])
+            logp_c = (np.log(np.clip(per_class, 1e-12, None)) - np.log(sizes)[:, None, :]).mean(0)
+            proba = np.exp(logp_c - logp_c.max(1, keepdims=True))
+        return proba / proba.sum(1, keepdims=True)
 
     def _n_outputs(self) -> int:
         return self.n_groups_
@@ -309,21 +369,11 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         return self.class_codes_[m][y]
 
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
-        return logits[..., :self.n_groups_].softmax(-1)
+        return logits[..., :self.n_groups_].log_softmax(-1)
 
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
-        groups = self._member_outputs(X)                                    # [M, n, G]
-        per_class = np.take_along_axis(groups, self.class_codes_[:, None, :], axis=2)  # [M, n, K]
-        K = len(self.classes_)
-        if K <= self.n_groups_:
-            proba = per_class.mean(0)
-        else:
-            sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in self.class_codes_])
-            logp = (np.log(np.clip(per_class, 1e-12, None)) - np.log(sizes)[:, None, :]).mean(0)
-            logp -= logp.max(1, keepdims=True)
-            proba = np.exp(logp)
-        return proba / proba.sum(1, keepdims=True)
+        return self._combine(self._member_outputs(X), self.temperature_)
 
     def predict_log_proba(self, X: Any) -> np.ndarray:
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))

@@ -52,6 +52,10 @@ class Cells:
     n_cats: np.ndarray
     """[C] int64."""
 
+    def take(self, rows: np.ndarray | slice) -> Cells:
+        """The given rows."""
+        return Cells(self.values[rows], self.codes[rows], self.is_cat, self.n_cats)
+
 
 def _is_missing(v: Any) -> bool:
     if v is None:

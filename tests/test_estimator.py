@@ -224,3 +224,16 @@ def test_sharded_inference_equals_one_process(ranks, world, d0, d1, sp):
 def test_tensor_parallel_needs_the_processes():
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
         TabFMClassifier(tensor_parallel=(2, 2)).fit(np.random.default_rng(0).normal(size=(8, 2)), [0, 1] * 4)
+
+
+def test_calibration_fits_a_temperature_on_held_out_train_rows():
+    df, y = mixed_frame(200, seed=4)
+    clf = TabFMClassifier(n_estimators=2).fit(df[:150], y[:150])
+    raw = TabFMClassifier(n_estimators=2, calibrate=False).fit(df[:150], y[:150])
+    assert raw.temperature_ == 1.0 and 0.2 <= clf.temperature_ <= 3.0
+    # The temperature only rescales the members' logits: the same members, the same ranking of one member.
+    one = TabFMClassifier(n_estimators=1).fit(df[:150], y[:150])
+    one_raw = TabFMClassifier(n_estimators=1, calibrate=False).fit(df[:150], y[:150])
+    np.testing.assert_array_equal(one.predict(df[150:]), one_raw.predict(df[150:]))
+    tiny = TabFMClassifier(n_estimators=1).fit(df[:12], y[:12])
+    assert tiny.temperature_ == 1.0  # too few rows to hold any out
