@@ -15,9 +15,11 @@ tensor). Async variants return a handle for the overlap code.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -123,6 +125,32 @@ def _nbytes(t: torch.Tensor) -> int:
 # Plain collectives (no autograd). Each returns a new tensor or a Handle; none modifies its input.
 # ---------------------------------------------------------------------------------------------------------
 
+_OBSERVER: Callable[..., Handle] | None = None
+
+
+@contextlib.contextmanager
+def observing(observer: Callable[..., Handle]) -> Iterator[None]:
+    """Within the block, every async collective launch goes through observer(launch, *args, **kwargs), which
+    must call launch(*args, **kwargs) and return its Handle: the planner's tracer sees which compute each
+    collective overlaps without patching the modules that call comm."""
+    global _OBSERVER
+    previous, _OBSERVER = _OBSERVER, observer
+    try:
+        yield
+    finally:
+        _OBSERVER = previous
+
+
+def _observable(launch: Callable[..., Handle]) -> Callable[..., Handle]:
+    @functools.wraps(launch)
+    def call(*args, **kwargs) -> Handle:
+        if _OBSERVER is None:
+            return launch(*args, **kwargs)
+        return _OBSERVER(launch, *args, **kwargs)
+    return call
+
+
+@_observable
 def all_reduce_async(x: torch.Tensor, axis: MeshAxis, inplace: bool = False) -> Handle:
     """Sum `x` over the axis; the result arrives at `handle.wait()`. With `inplace`, a contiguous `x` is
     overwritten instead of copied (for fresh matmul outputs nobody else holds)."""
@@ -137,6 +165,7 @@ def all_reduce_async(x: torch.Tensor, axis: MeshAxis, inplace: bool = False) -> 
     return Handle(out, work, on_wait=lambda: axis._done(ALL_REDUCE, _nbytes(out), started))
 
 
+@_observable
 def all_gather_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
     """Concatenate every rank's `x` along `dim`, in axis order."""
     if axis.size == 1:
@@ -154,6 +183,7 @@ def all_gather_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
                   on_wait=lambda: axis._done(ALL_GATHER, _nbytes(out), started))
 
 
+@_observable
 def reduce_scatter_async(x: torch.Tensor, dim: int, axis: MeshAxis) -> Handle:
     """Sum `x` over the axis and keep this rank's chunk of `dim` (which the axis size must divide)."""
     if axis.size == 1:

@@ -392,41 +392,22 @@ class _RecordedHandle:
         return self._handle.wait()
 
 
-@contextlib.contextmanager
 def _collectives_traced(recorder: _Recorder):
-    """While tracing, wrap comm's async collectives wherever tabfm modules call them (comm itself, overlap, ...):
-    ops inside a dry-run collective belong to the collective (their cost is in the link's time), not to compute,
-    and each handle records where its result is first awaited."""
-    import sys
+    """While tracing, observe comm's async collectives (comm.observing): ops inside a dry-run collective belong
+    to the collective (their cost is in the link's time), not to compute, and each handle records where its
+    result is first awaited."""
 
-    names = ("all_reduce_async", "all_gather_async", "reduce_scatter_async")
-    originals = {n: getattr(comm, n) for n in names}
+    def traced(launch, *args, **kwargs):
+        before = len(recorder.events)
+        recorder.suspended += 1
+        try:
+            handle = launch(*args, **kwargs)
+        finally:
+            recorder.suspended -= 1
+        launched = [e for e in recorder.events[before:] if isinstance(e, Collective)]
+        return _RecordedHandle(handle, recorder, launched[-1]) if launched else handle
 
-    def wrap(fn):
-        def traced(*args, **kwargs):
-            before = len(recorder.events)
-            recorder.suspended += 1
-            try:
-                handle = fn(*args, **kwargs)
-            finally:
-                recorder.suspended -= 1
-            launched = [e for e in recorder.events[before:] if isinstance(e, Collective)]
-            return _RecordedHandle(handle, recorder, launched[-1]) if launched else handle
-        return traced
-
-    wrapped = {n: wrap(fn) for n, fn in originals.items()}
-    patched = []
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("tabfm."):
-            for n, fn in originals.items():
-                if getattr(mod, n, None) is fn:
-                    setattr(mod, n, wrapped[n])
-                    patched.append((mod, n, fn))
-    try:
-        yield
-    finally:
-        for mod, n, fn in patched:
-            setattr(mod, n, fn)
+    return comm.observing(traced)
 
 
 def _inputs(spec: InputSpec, mesh: TPMesh, sp: bool, dtype: torch.dtype, device: str) -> tuple:
