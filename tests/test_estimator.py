@@ -16,8 +16,8 @@ from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
                     "the float64 instance passes this check exactly")
-WEAK_REGRESSION = ("the shipped small model reaches R^2 of about 0.1 on this check's 10-feature problem with one "
-                   "informative feature (ridge: 0.8); see README, Status")
+WEAK_REGRESSION = ("the shipped small model reaches R^2 of about 0.3 on this check's 10-feature problem with one "
+                   "informative feature (bar: 0.5); see README, Status")
 
 
 def _expected_failures(est) -> dict[str, str]:
