@@ -78,13 +78,13 @@ def category_string(v: Any) -> str:
     return str(v)
 
 
-def _columns_of(X: Any) -> tuple[list[str], list[Any], bool]:
-    """(names, column objects, whether the names came from a DataFrame)."""
+def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
+    """(names, column objects)."""
     try:
         import polars as pl
 
         if isinstance(X, pl.DataFrame):
-            return [str(c) for c in X.columns], X.get_columns(), True
+            return [str(c) for c in X.columns], X.get_columns()
         if isinstance(X, pl.LazyFrame):
             raise TypeError("X is a polars LazyFrame: collect() it first")
     except ImportError:  # polars is a dependency; keep numpy-only use working without it
@@ -93,7 +93,7 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any], bool]:
         raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
                         "use X.toarray() to convert it to a dense numpy array")
     if hasattr(X, "iloc") and hasattr(X, "columns"):  # pandas
-        return [str(c) for c in X.columns], [X.iloc[:, i] for i in range(X.shape[1])], True
+        return [str(c) for c in X.columns], [X.iloc[:, i] for i in range(X.shape[1])]
     arr = np.asarray(X)
     if arr.dtype.kind == "c":
         raise ValueError("Complex data not supported: X must hold real numbers or categories")
@@ -102,7 +102,7 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any], bool]:
                          "data: X.reshape(-1, 1) for one feature or X.reshape(1, -1) for one row")
     if arr.ndim != 2:
         raise ValueError(f"X must be 2-D (rows x features); got shape {arr.shape}")
-    return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])], False
+    return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])]
 
 
 def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
@@ -158,7 +158,7 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
 
 def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
     """(column names, columns) of a table with at least one row and one column; a clear error otherwise."""
-    names, cols, _ = _columns_of(X)
+    names, cols = _columns_of(X)
     n = len(cols[0]) if cols else len(X)
     if not names:
         raise ValueError(f"Found array with 0 feature(s) (shape=({n}, 0)) while a minimum of 1 is required: "
@@ -240,16 +240,10 @@ class TablePreprocessor:
                                    subsample=None, random_state=0).fit(numeric)
 
     def transform(self, X: Any) -> Cells:
-        names, cols, _ = _columns_of(X)
-        if not names:
-            raise ValueError(f"Found array with 0 feature(s) (shape=({len(X)}, 0)) while a minimum of 1 is required; "
-                             f"the estimator was fitted with {len(self.names_)} features")
+        names, cols = check_table_shape(X)
         if len(names) != len(self.names_):
             raise ValueError(f"X has {len(names)} features, but the estimator was fitted with {len(self.names_)}")
         n = len(cols[0])
-        if n == 0:
-            raise ValueError(f"Found array with 0 sample(s) (shape=(0, {len(names)})) while a minimum of 1 is "
-                             "required: X has no rows to predict")
         C = max(len(self.columns_), 1)  # all columns constant: one empty column, so the model still has a token
         values = np.full((n, C), np.nan)
         codes = np.full((n, C), -1, np.int64)
