@@ -140,6 +140,16 @@ def test_dispatch(monkeypatch):
         ops.bias_act(x, None, "tanh")
 
 
+def test_auto_runs_triton_only_on_large_cuda_tensors(monkeypatch):
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    big = ops.AUTO_TRITON_MIN_ELEMENTS
+    assert ops.auto_backend(True, big) == "triton"
+    assert ops.auto_backend(True, big - 1) == "torch"  # launch cost outweighs the saved traffic
+    assert ops.auto_backend(False, 100 * big) == "torch"
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    assert ops.auto_backend(True, 100 * big) == "torch"
+
+
 def test_auto_on_cpu_keeps_reference_numerics():
     """kernels="auto" on CPU is the torch reference: the exact ops the layers used before the kernels."""
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The chunk-epilogue operations the layers call, each dispatched to its Triton kernel or its torch reference.
 
-    kernels="auto"    Triton on CUDA tensors when triton imports, else the torch reference (so CPU runs keep
-                      the layers' float64 numerics exactly)
+    kernels="auto"    Triton on CUDA tensors of at least AUTO_TRITON_MIN_ELEMENTS elements when triton imports,
+                      else the torch reference (so CPU runs keep the layers' float64 numerics exactly)
     kernels="triton"  always the Triton kernel; on CPU tensors only under TRITON_INTERPRET=1 (the tests)
     kernels="torch"   always the torch reference
 
@@ -18,6 +18,11 @@ import torch
 from tabfm.parallel.kernels import reference
 
 KERNELS = ("auto", "triton", "torch")
+AUTO_TRITON_MIN_ELEMENTS = 1 << 24
+"""Below this size `auto` keeps the torch reference. Measured on an H200 (benchmarks/kernels_gpu.py, forward +
+backward): at 8192 x 1024 elements the launch cost of the Triton path (about 0.2 ms) outweighs its saved memory
+traffic (bias + activation 0.3-0.4x, bfloat16 normalize 0.5x the reference's speed); from 8192 x 4096 on every
+kernel but one is 1.1-5.5x faster."""
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
 
 
@@ -47,7 +52,7 @@ def backend(kernels: str, x: torch.Tensor) -> str:
     if kernels == "torch":
         return "torch"
     if kernels == "auto":
-        return "triton" if x.is_cuda and triton_available() else "torch"
+        return auto_backend(x.is_cuda, x.numel())
     if not triton_available():
         raise RuntimeError("kernels='triton' needs the triton package (pip install triton); "
                            "use kernels='auto' or 'torch' to run the torch reference")
@@ -55,6 +60,12 @@ def backend(kernels: str, x: torch.Tensor) -> str:
         raise ValueError(f"kernels='triton' runs on CUDA tensors, not on {x.device} ones (except under "
                          "TRITON_INTERPRET=1, the Triton interpreter the tests use); use kernels='auto' or 'torch'")
     return "triton"
+
+
+def auto_backend(is_cuda: bool, numel: int) -> str:
+    """What kernels="auto" runs on a tensor: Triton for large CUDA tensors, the torch reference otherwise."""
+    big = numel >= AUTO_TRITON_MIN_ELEMENTS
+    return "triton" if is_cuda and big and triton_available() else "torch"
 
 
 def _fused():
