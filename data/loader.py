@@ -13,6 +13,7 @@ round-robin and returns results in request order, so steps come out in order.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -112,6 +113,34 @@ class StepDataset(IterableDataset):
             step += n_workers
 
 
+WORKER_THREAD_ENV = ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""Thread-pool sizes a worker process reads when its libraries load: one thread each."""
+
+
+class StepLoader(DataLoader):
+    """A DataLoader whose worker processes start with one polars and one BLAS thread each.
+
+    Torch already gives each worker one thread for its own ops, but polars and numpy's BLAS size their pools to
+    every core: 12 workers on 16 cores would run 12 x 16 threads for small frames and matrices. The workers are the
+    parallelism. The pools are sized when a spawned worker imports its libraries, before any worker_init_fn runs,
+    so the variables are set around the spawn and restored at once (this process's own pools are already sized).
+    """
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        saved = {name: os.environ.get(name) for name in WORKER_THREAD_ENV}
+        os.environ.update(dict.fromkeys(WORKER_THREAD_ENV, "1"))
+        try:
+            return super().__iter__()  # starts the workers
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def make_loader(
     cfg: DataConfig,
     source: Source | None = None,
@@ -119,14 +148,14 @@ def make_loader(
     start_step: int = 0,
     num_steps: int | None = None,
     pin_memory: bool = False,
-) -> DataLoader:
+) -> StepLoader:
     """A DataLoader yielding one Batch per step from `start_step` (the prior unless `source` is given).
 
     With cfg.num_workers > 0, background processes produce whole steps; the batches are the same as with 0.
     """
     dataset = StepDataset(source or PriorSource(cfg), dp_rank=dp_rank, start_step=start_step, num_steps=num_steps)
     workers = cfg.num_workers
-    return DataLoader(
+    return StepLoader(
         dataset,
         batch_size=None,  # an item is already a whole step
         num_workers=workers,

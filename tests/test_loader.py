@@ -74,6 +74,36 @@ def test_two_workers_give_the_same_batches_in_order_as_none():
         assert_same(a, b)
 
 
+class ThreadProbe(PriorSource):
+    """The prior, noting each worker process's BLAS and polars thread counts in a folder as it draws a step."""
+
+    def __init__(self, cfg: DataConfig, folder: str) -> None:
+        super().__init__(cfg)
+        self.folder = folder
+
+    def tables(self, step: int, dp_rank: int) -> list:
+        import os
+
+        import threadpoolctl
+
+        tables = super().tables(step, dp_rank)  # polars and numpy have both run by now
+        blas = {i["internal_api"]: i["num_threads"] for i in threadpoolctl.threadpool_info()}
+        with open(f"{self.folder}/{os.getpid()}.json", "w") as f:
+            json.dump({"polars": pl.thread_pool_size(), "blas": blas}, f)
+        return tables
+
+
+def test_workers_run_one_blas_and_one_polars_thread_each(tmp_path):
+    cfg = replace(DataConfig.tiny(seed=4), num_workers=2)
+    batches = list(make_loader(cfg, source=ThreadProbe(cfg, str(tmp_path)), num_steps=4))
+    assert [b.step for b in batches] == [0, 1, 2, 3]
+    notes = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert len(notes) == 2  # one per worker process
+    for note in notes:
+        assert note["polars"] == 1
+        assert note["blas"] and set(note["blas"].values()) == {1}, note
+
+
 def test_tensors_match_the_tables():
     table = TableConfig(min_rows=20, max_rows=64, min_features=2, max_features=8, missing_table_prob=1.0)
     cfg = DataConfig.tiny(seed=1, table=table)
