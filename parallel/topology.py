@@ -42,6 +42,7 @@ from tabfm.parallel.mesh import factorizations
 GB = 1e9
 AXES = ("tp0", "tp1")
 _REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "topology"
+"""configs/topology of a source checkout; in an installed wheel (tabfm/parallel/topology.py) tabfm/configs/topology."""
 
 
 # ---------------------------------------------------------------------------------------------------------

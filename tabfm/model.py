@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 TargetStats = tuple[torch.Tensor, torch.Tensor]
 """(mean, std) [B, 1] of each table's regression targets over its train rows."""
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = (_PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs") / "model"
+"""The size presets: configs/model of a source checkout, or the copy an installed wheel ships in tabfm/configs."""
 
 
 @dataclass(frozen=True)
