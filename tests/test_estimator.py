@@ -25,9 +25,12 @@ def _expected_failures(est) -> dict[str, str]:
     return out
 
 
-@parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(n_estimators=2),
+# The regressors keep their default 4 members: check_regressors_train rounds X to integers (the tags accept
+# categorical input) and wants a training R^2 above 0.5, which the shipped model reaches with 4 members (0.67)
+# but not with 2 (0.48).
+@parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(),
                           TabFMClassifier(n_estimators=2, dtype="float64"),
-                          TabFMRegressor(n_estimators=2, dtype="float64")],
+                          TabFMRegressor(dtype="float64")],
                          expected_failed_checks=_expected_failures)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
