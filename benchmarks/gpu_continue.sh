@@ -7,7 +7,7 @@
 # The run resumes WARM_START (a checkpoint folder) with a schedule EXTRA_STEPS longer and stops after
 # SECONDS_BUDGET. Every 20 s the latest checkpoint is merged into $OUT/model.safetensors (with its metrics log), so
 # a lease cut short still returns the last one. Late in a cosine schedule the learning rate barely moves, so a
-# run stopped by the clock ends close to where the full schedule would. Package set-up as in gpu_session.sh.
+# run stopped by the clock ends close to where the full schedule would. The package runs as in gpu_session.sh.
 set -u
 REPO=$(pwd)
 OUT=${OUT:-$REPO/out/gpu2}
@@ -19,13 +19,7 @@ DEVICE=${DEVICE:-cuda}
 DATA=${DATA:-"data.batch_size=16 data.num_workers=14 data.table.max_rows=1024 data.table.max_features=64"}
 mkdir -p "$OUT" "$WORK"
 
-PKG=$WORK/pkg
-rm -rf "$PKG" && mkdir -p "$PKG/tabfm"
-for f in "$REPO"/tabfm/*; do ln -s "$f" "$PKG/tabfm/"; done
-ln -s "$REPO/parallel" "$PKG/tabfm/parallel"
-ln -s "$REPO/data" "$PKG/tabfm/data"
-export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
-cd "$WORK"
+. "$REPO/benchmarks/gpu_tree.sh"  # the package from this checkout, nothing installed; cd $WORK
 
 RUN=$WORK/run
 mkdir -p "$RUN/checkpoints"

@@ -9,7 +9,7 @@
 #   OUT=out/gpu BUDGET_S=330 WARM_START=runs/small3/checkpoints/step_0008000 bash benchmarks/gpu_session.sh
 #
 # The step counts come from a short calibration (both runs together, as in the real ones), so each learning-rate
-# schedule ends inside the budget. The package runs from a symlinked tree in a scratch folder, so nothing needs
+# schedule ends inside the budget. The package runs from a symlinked tree (gpu_tree.sh), so nothing needs
 # installing but the dependencies (PYTHONPATH may point at carried wheels).
 set -u
 REPO=$(pwd)
@@ -24,15 +24,7 @@ DATA_EXTRA=${DATA_EXTRA:-}  # more --set items for both runs (a CPU dry run make
 mkdir -p "$OUT" "$WORK"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/session.log"; }
 
-# The package as an installed wheel would lay it out (tabfm/, tabfm/parallel, tabfm/data), through symlinks, so
-# paths that model.py and evaluate.py resolve from __file__ still land in this repository (configs, datasets).
-PKG=$WORK/pkg
-rm -rf "$PKG" && mkdir -p "$PKG/tabfm"
-for f in "$REPO"/tabfm/*; do ln -s "$f" "$PKG/tabfm/"; done
-ln -s "$REPO/parallel" "$PKG/tabfm/parallel"
-ln -s "$REPO/data" "$PKG/tabfm/data"
-export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
-cd "$WORK"  # not the repository root: its tabfm/ folder would shadow the tree above
+. "$REPO/benchmarks/gpu_tree.sh"  # the package from this checkout, nothing installed; cd $WORK
 python3 -c "import tabfm.pretrain, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
     2>&1 | tee -a "$OUT/session.log" || exit 1
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/session.log"
