@@ -72,8 +72,9 @@ def _act_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _bias_act_fwd(y_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, COMPUTE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _biased_tile(y_ptr, b_ptr, M, N, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """This program's tile of y + bias (z), with its offsets and mask: the shared start of both passes."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -81,19 +82,20 @@ def _bias_act_fwd(y_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, ACT: tl.c
     z = tl.load(y_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(COMPUTE)[None, :]
+    return z, offs, mask
+
+
+@triton.jit
+def _bias_act_fwd(y_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, COMPUTE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    z, offs, mask = _biased_tile(y_ptr, b_ptr, M, N, HAS_BIAS, COMPUTE, BLOCK_M, BLOCK_N)
     tl.store(out_ptr + offs, _act(z, ACT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bias_act_bwd(y_ptr, b_ptr, dout_ptr, dz_ptr, M, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                   COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    z = tl.load(y_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(COMPUTE)[None, :]
+    z, offs, mask = _biased_tile(y_ptr, b_ptr, M, N, HAS_BIAS, COMPUTE, BLOCK_M, BLOCK_N)
     dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(COMPUTE)
     tl.store(dz_ptr + offs, (dout * _act_grad(z, ACT)).to(dz_ptr.dtype.element_ty), mask=mask)
 
