@@ -491,3 +491,17 @@ def load_model(path: str | Path, mesh: TPMesh | None = None, sequence_parallel: 
     model.load_state_dict(state)
     # parallelize slices every sharded parameter from the full one: any layout.
     return parallelize_model(model, mesh, sequence_parallel)
+
+
+def init_weights(model: TabFM, path: str | Path) -> None:
+    """Copy the weights of a merged file or checkpoint folder into `model`, a plain (not yet parallelized) model
+    of the same config: the start of a fine-tuning run or a new pretraining stage (the optimizer starts fresh)."""
+    dtype = next(model.parameters()).dtype
+    source = load_model(path, dtype=dtype)
+    if source.config != model.config:
+        changed = {k: (v, getattr(model.config, k)) for k, v in source.config.to_dict().items()
+                   if getattr(model.config, k) != v}
+        raise ValueError(f"{path} holds a different model than this run builds (weights' value vs run's): "
+                         f"{changed}; set the run's model to the weights' config, or start from other weights")
+    model.load_state_dict(source.state_dict())
+

@@ -119,6 +119,10 @@ class TrainConfig:
     """Classification tables of benchmarks/datasets to evaluate on (fold 0 = test rows, the rest = train rows)."""
     eval_max_train_rows: int = 512
     """Train (context) rows of an evaluation table are subsampled, deterministically, to at most this many."""
+    init_from: str | None = None
+    """Start from these weights (a merged .safetensors file or a checkpoint folder, e.g. the shipped
+    tabfm/weights/tabfm-small.safetensors) with a fresh optimizer and schedule: fine-tuning, or a new pretraining
+    stage on other tables. A checkpoint that --resume finds takes precedence (a restarted run continues)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:

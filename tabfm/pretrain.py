@@ -238,6 +238,8 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     metrics_path = out_dir / "metrics.jsonl"
 
     model = build_model(cfg.model, seed=cfg.train.seed).to(device=device, dtype=DTYPES[cfg.train.dtype])
+    if cfg.train.init_from:
+        ckpt.init_weights(model, cfg.train.init_from)  # a checkpoint resumed below overwrites these
     p = cfg.parallel
     model = parallelize_model(model, mesh, p.sequence_parallel, overlap_chunks=p.overlap_chunks, kernels=p.kernels)
     o = cfg.optim

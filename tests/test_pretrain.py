@@ -121,6 +121,30 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
+def test_init_from_weights_starts_a_fresh_run_from_them(tmp_path):
+    """A run from a's merged weights (or its checkpoint folder) starts at step 0 with a's weights and a new
+    optimizer: its first loss is not a fresh model's; a wrong model config is refused; a resume wins."""
+    a = train(tiny_cfg(tmp_path / "a", "train.steps=2"))
+    weights = ckpt.merge(latest_checkpoint(tmp_path / "a"), tmp_path / "a.safetensors")
+    fresh = train(tiny_cfg(tmp_path / "fresh", "train.steps=1"))
+    b = train(tiny_cfg(tmp_path / "b", "train.steps=1", f"train.init_from={weights}", "optim.lr=1e-12"))
+    assert b[0]["loss"] != fresh[0]["loss"]
+    # a step of lr 1e-12 moves no weight by more than ~1e-12: b's weights are a's
+    mb = load_file(ckpt.merge(latest_checkpoint(tmp_path / "b"), tmp_path / "b.safetensors"))
+    ma = load_file(weights)
+    assert max((ma[k].double() - mb[k].double()).abs().max().item() for k in ma) < 1e-9
+    # from a checkpoint folder too, same result
+    c = train(tiny_cfg(tmp_path / "c", "train.steps=1", f"train.init_from={latest_checkpoint(tmp_path / 'a')}",
+                       "optim.lr=1e-12"))
+    assert c[0]["loss"] == b[0]["loss"]
+    with pytest.raises(ValueError, match=r"holds a different model than this run builds .*embed_dim"):
+        train(tiny_cfg(tmp_path / "d", "train.steps=1", f"train.init_from={weights}", "model.embed_dim=32"))
+    # a checkpoint in out_dir takes precedence: the restarted run continues a, it does not restart from weights
+    resumed = train(tiny_cfg(tmp_path / "a", "train.steps=3", f"train.init_from={weights}"), resume="auto")
+    assert [r["step"] for r in resumed] == [3]
+    assert len(a) == 2
+
+
 def test_layout_that_needs_more_processes_is_refused(tmp_path):
     with pytest.raises(LayoutError, match="needs 4 processes but 1 were started"):
         train(tiny_cfg(tmp_path, "parallel.d0=2", "parallel.d1=2"))
