@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: b
     """Swap the modules the plan names for ATP layers on `mesh` (in place) and return the model.
 
     overlap_chunks: split each linear's tokens into this many chunks whose collectives overlap compute (1 = off).
-    kernels: "auto" (Triton on CUDA, else torch), "triton" or "torch" for the fused epilogues.
+    kernels: "auto" (Triton on large CUDA tensors, else torch), "triton" or "torch" for the fused epilogues.
     """
     options = {"overlap_chunks": check_chunks(overlap_chunks), "kernels": check_kernels(kernels)}
     check_layout(model, plan, mesh.d0, mesh.d1)

@@ -77,7 +77,8 @@ class ParallelConfig:
     overlap_chunks: int = 1
     """Chunks of overlapped communication per tensor-parallel linear (DESIGN 3.4); 1 = off."""
     kernels: str = "auto"
-    """Fused chunk epilogues: auto (Triton on CUDA, the torch reference elsewhere), triton or torch."""
+    """Fused chunk epilogues: auto (Triton on CUDA tensors of 2^24+ elements, the torch reference elsewhere), triton
+    or torch."""
 
     def __post_init__(self) -> None:
         for name in ("d0", "d1", "dp", "overlap_chunks"):
