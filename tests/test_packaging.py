@@ -4,6 +4,7 @@ presets and the default weights, so presets load and the estimator predicts from
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -31,9 +32,11 @@ print(TabFMClassifier(n_estimators=1).fit(X[:40], y[:40]).score(X[40:], y[40:]))
 @pytest.mark.slow
 def test_installed_wheel_finds_presets_and_weights(tmp_path):
     pytest.importorskip("setuptools", minversion="69")
-    wheels = tmp_path / "wheels"
+    src, wheels = tmp_path / "src", tmp_path / "wheels"  # a copy: the build writes build/ and egg-info in its tree
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "build", "dist", "runs", "out", "*.egg-info",
+                                                              "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheels), str(REPO)], check=True, cwd=tmp_path)
+                    "-w", str(wheels), str(src)], check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("tabfm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "tabfm/configs/model/small.yaml" in names and "tabfm/configs/topology/nvswitch8.yaml" in names
