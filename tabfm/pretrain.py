@@ -237,9 +237,15 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     ckpt_root = out_dir / "checkpoints"
     metrics_path = out_dir / "metrics.jsonl"
 
+    path = None
+    if resume is not None:
+        path = latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
+        if path is None and rank0:
+            print(f"--resume auto: no checkpoint under {ckpt_root}, starting from step 0", file=sys.stderr)
+
     model = build_model(cfg.model, seed=cfg.train.seed).to(device=device, dtype=DTYPES[cfg.train.dtype])
-    if cfg.train.init_from:
-        ckpt.init_weights(model, cfg.train.init_from)  # a checkpoint resumed below overwrites these
+    if cfg.train.init_from and path is None:  # a checkpoint to resume from takes precedence
+        ckpt.init_weights(model, cfg.train.init_from)
     p = cfg.parallel
     model = parallelize_model(model, mesh, p.sequence_parallel, overlap_chunks=p.overlap_chunks, kernels=p.kernels)
     o = cfg.optim
@@ -247,16 +253,11 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
                                   weight_decay=o.weight_decay)
 
     start = 0
-    if resume is not None:
-        path = latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
-        if path is None:
-            if rank0:
-                print(f"--resume auto: no checkpoint under {ckpt_root}, starting from step 0", file=sys.stderr)
-        else:
-            state = ckpt.load_checkpoint(path, model, optimizer)
-            start = int(state.data_position.get("next_step", state.step))
-            if rank0:
-                _trim_metrics(metrics_path, start)
+    if path is not None:
+        state = ckpt.load_checkpoint(path, model, optimizer)
+        start = int(state.data_position.get("next_step", state.step))
+        if rank0:
+            _trim_metrics(metrics_path, start)
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_config(cfg))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -82,9 +83,7 @@ class ThreadProbe(PriorSource):
         self.folder = folder
 
     def tables(self, step: int, dp_rank: int) -> list:
-        import os
-
-        import threadpoolctl
+        import threadpoolctl  # scikit-learn's dependency; only this test reads thread pools
 
         tables = super().tables(step, dp_rank)  # polars and numpy have both run by now
         blas = {i["internal_api"]: i["num_threads"] for i in threadpoolctl.threadpool_info()}

@@ -139,8 +139,10 @@ def test_init_from_weights_starts_a_fresh_run_from_them(tmp_path):
     assert c[0]["loss"] == b[0]["loss"]
     with pytest.raises(ValueError, match=r"holds a different model than this run builds .*embed_dim"):
         train(tiny_cfg(tmp_path / "d", "train.steps=1", f"train.init_from={weights}", "model.embed_dim=32"))
-    # a checkpoint in out_dir takes precedence: the restarted run continues a, it does not restart from weights
-    resumed = train(tiny_cfg(tmp_path / "a", "train.steps=3", f"train.init_from={weights}"), resume="auto")
+    # a checkpoint in out_dir takes precedence: the restarted run continues a and never reads init_from (a file
+    # that does not exist would raise if it did)
+    resumed = train(tiny_cfg(tmp_path / "a", "train.steps=3", f"train.init_from={tmp_path / 'missing.safetensors'}"),
+                    resume="auto")
     assert [r["step"] for r in resumed] == [3]
     assert len(a) == 2
 
