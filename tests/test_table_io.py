@@ -1,0 +1,137 @@
+"""tabfm.table_io: NA tokens read as missing, clear one-line errors for files that cannot be read, and output paths
+checked before any work (extension, folder, not an input), written atomically."""
+
+from __future__ import annotations
+
+import os
+
+import polars as pl
+import pytest
+
+from tabfm.table_io import NA_VALUES, TableError, check_output, mostly_numeric_text, na_tokens, read_table, write_table
+
+
+def _write(path, data: bytes | str):
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def test_na_tokens_are_missing_and_numeric_columns_stay_numeric(tmp_path):
+    f = _write(tmp_path / "t.csv", "x,colour,y\n1.5,red,1\nNA,NA,2\n?,blue,3\n, N/A ,4\n-,.,5\n 2 ,None,6\nnull,green,7\n")
+    df = read_table(f)
+    assert df.schema == pl.Schema({"x": pl.Float64, "colour": pl.String, "y": pl.Int64})
+    assert df["x"].to_list() == [1.5, None, None, None, None, 2.0, None]
+    assert df["colour"].to_list() == ["red", None, "blue", None, None, None, "green"]
+    assert mostly_numeric_text(df) == []
+
+
+def test_na_values_extend_or_replace_the_defaults(tmp_path):
+    f = _write(tmp_path / "t.csv", "x,grade\n1,NA\nmissing,B\n3,-\n")
+    df = read_table(f, na_tokens("missing"))
+    assert df["x"].to_list() == [1, None, 3] and df["grade"].to_list() == [None, "B", None]
+    df = read_table(f, na_tokens("missing", defaults=False))  # 'NA' and '-' are categories here
+    assert df["grade"].to_list() == ["NA", "B", "-"]
+    assert na_tokens(" a, b ,,a") == [*NA_VALUES, "a", "b"]
+
+
+def test_a_column_that_is_mostly_numbers_is_reported(tmp_path):
+    f = _write(tmp_path / "t.csv", "x,colour\n1,red\nn.a.,blue\n3,red\n4,green\nunknown,red\n6,blue\n")
+    df = read_table(f)
+    assert df["x"].dtype == pl.String  # read as categories: the caller warns
+    assert mostly_numeric_text(df) == [("x", 4, 6, ["n.a.", "unknown"])]
+    assert read_table(f, na_tokens("n.a.,unknown"))["x"].to_list() == [1, None, 3, 4, None, 6]
+
+
+def test_types_come_from_every_row(tmp_path):
+    rows = "\n".join(str(i) for i in range(20_000))
+    df = read_table(_write(tmp_path / "t.csv", f"x\n{rows}\n0.5\n"))
+    assert df["x"].dtype == pl.Float64 and df.height == 20_001
+
+
+def test_parquet_and_tsv_read_the_same_tokens(tmp_path):
+    frame = pl.DataFrame({"x": ["1", "NA", " 3 "], "c": ["a", "?", "b"]})
+    frame.write_parquet(tmp_path / "t.parquet")
+    expected = pl.DataFrame({"x": [1, None, 3], "c": ["a", None, "b"]})
+    assert read_table(tmp_path / "t.parquet").equals(expected)
+    _write(tmp_path / "t.tsv", "x\tc\n1\ta\nNA\t?\n 3 \tb\n")
+    assert read_table(tmp_path / "t.tsv").equals(expected)
+
+
+PARQUET = b"PAR1" + bytes(range(40))
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("empty.csv", b"", "the file is empty"),
+    ("blank.csv", b"\n\n", "the file is empty"),
+    ("header.csv", b"a,b\n", "has a header (2 columns) but no rows"),
+    ("ragged.csv", b"a,b\n1,2\n3,4,5\n", "line 3 has 3 fields but the header has 2"),
+    ("ragged.tsv", b"a\tb\n1\t2\n\"x\ny\"\t2\n3\t4\t5\n", "line 5 has 3 fields but the header has 2"),
+    ("latin1.csv", "a,b\n1,2\n3,café\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 on line 3)"),
+    ("csv.parquet", b"a,b\n1,2\n", "not a Parquet file (it starts with 'a,b'); if it is CSV text, name it .csv"),
+    ("cut.parquet", PARQUET, "cannot read it as Parquet"),
+    ("parquet.csv", PARQUET, "this is a Parquet file, not .csv text; name it .parquet"),
+    ("dup.csv", b"a,b,a\n1,2,3\n", "column name 'a' appears more than once"),
+    ("book.xlsx", b"PK\x03\x04", "unknown table format '.xlsx'"),
+])
+def test_unreadable_files_give_one_line_naming_the_file(tmp_path, name, data, message):
+    f = _write(tmp_path / name, data)
+    with pytest.raises(TableError) as err:
+        read_table(f)
+    text = str(err.value)
+    assert text.startswith(f"{f}: ") and message in text and "\n" not in text
+
+
+def test_missing_file_and_folder(tmp_path):
+    with pytest.raises(TableError, match="no such file"):
+        read_table(tmp_path / "nope.csv")
+    with pytest.raises(TableError, match="is a folder, not a table file"):
+        read_table(tmp_path)
+
+
+def test_check_output_refuses_before_any_work(tmp_path):
+    train = _write(tmp_path / "train.csv", "a\n1\n")
+    assert check_output(None) is None and check_output("-") is None
+    assert check_output(str(tmp_path / "p.TSV")) == tmp_path / "p.TSV"
+    cases = [
+        (tmp_path / "p.xlsx", "cannot write a table with extension '.xlsx'; name it .csv, .tsv or .parquet"),
+        (tmp_path / "preds", "cannot write a table with no extension"),
+        (tmp_path / "no" / "p.csv", f"folder {tmp_path / 'no'} does not exist; create it first"),
+        (tmp_path / "dir.csv", "is a folder"),
+        (tmp_path / "sub" / ".." / "train.csv", "is the input table"),
+        (tmp_path / "link.csv", "is the input table"),
+    ]
+    (tmp_path / "dir.csv").mkdir()
+    (tmp_path / "sub").mkdir()
+    os.symlink(train, tmp_path / "link.csv")
+    for path, message in cases:
+        with pytest.raises(TableError) as err:
+            check_output(str(path), [train])
+        assert message in str(err.value), path
+    assert train.read_text() == "a\n1\n"
+
+
+def test_write_csv_tsv_parquet_with_significant_digits(tmp_path, capsys):
+    df = pl.DataFrame({"label": ["a", "b"], "p": [1 / 3, 1.23456789e-7]})
+    write_table(df, tmp_path / "p.csv", float_digits=6)
+    assert (tmp_path / "p.csv").read_text() == "label,p\na,0.333333\nb,1.23457e-7\n"
+    write_table(df, tmp_path / "p.tsv", float_digits=6)
+    assert (tmp_path / "p.tsv").read_text().splitlines()[1] == "a\t0.333333"
+    write_table(df, tmp_path / "p.parquet", float_digits=6)
+    assert pl.read_parquet(tmp_path / "p.parquet").equals(df)  # binary: kept whole
+    write_table(df, None)
+    assert capsys.readouterr().out.startswith("label,p\na,0.3333333333333333\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv", "p.parquet", "p.tsv"]
+    assert oct((tmp_path / "p.csv").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    out = _write(tmp_path / "p.csv", "old\n")
+    with pytest.raises(TableError, match="cannot write it"):
+        write_table(pl.DataFrame({"nested": [[1, 2]]}), out)  # CSV cannot hold a list column
+    assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["p.csv"]
