@@ -1,4 +1,5 @@
-"""`tabfm predict`: fit on a train table, predict a test table (CSV or Parquet), optionally sharded over processes.
+"""`tabfm predict`: fit on a train table, predict a test table (CSV, TSV or Parquet), optionally sharded over
+processes.
 
     tabfm predict --train train.csv --target y --test test.csv [-o preds.csv] [--proba]
     tabfm predict ... --nproc 4 --layout 2x2     # torchrun: one context split over 4 processes
@@ -15,30 +16,40 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from tabfm._cli_demo import parse_layout
+from tabfm.table_io import NA_VALUES
 
 TASKS = ("auto", "classification", "regression")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("predict", help="fit on a train table and predict a test table (CSV or Parquet)")
+    p = subparsers.add_parser("predict", help="fit on a train table and predict a test table (CSV, TSV or Parquet)")
     _add_arguments(p)
     p.set_defaults(run=_predict)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--train", required=True, help="train table with the target column (.csv or .parquet)")
+    p.add_argument("--train", required=True, help="train table with the target column (.csv, .tsv or .parquet)")
     p.add_argument("--target", required=True, help="name of the target column")
-    p.add_argument("--test", required=True, help="table to predict (.csv or .parquet); a target column is ignored")
-    p.add_argument("-o", "--output", help="where to write the predictions (.csv or .parquet; default: stdout)")
-    p.add_argument("--proba", action="store_true", help="class probabilities, one column per class")
+    p.add_argument("--test", required=True,
+                   help="table to predict (.csv, .tsv or .parquet); a target column there is ignored")
+    p.add_argument("-o", "--output", help="where to write the predictions: .csv, .tsv or .parquet; - or no -o: CSV "
+                   "on stdout. Never one of the input tables")
+    p.add_argument("--proba", action="store_true",
+                   help="class probabilities, one proba_CLASS column per class after the predicted label (6 "
+                   "significant digits in CSV/TSV)")
     p.add_argument("--task", choices=TASKS, default="auto",
                    help="auto: regression for a numeric target with more than 20 distinct non-integer values")
     p.add_argument("--checkpoint", help="merged .safetensors or checkpoint folder (default: the shipped model)")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members")
     p.add_argument("--categorical", default="", help="comma-separated columns to treat as categorical")
+    p.add_argument("--na-values", default="", metavar="A,B,...",
+                   help="comma-separated extra cell values that mean missing, added to the defaults: "
+                   + " ".join(repr(v) if v else "'' (empty)" for v in NA_VALUES))
+    p.add_argument("--no-default-na", action="store_true",
+                   help="read only empty cells and the --na-values as missing (e.g. when 'NA' or '-' is a category)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (warnings still show)")
     p.add_argument("--batch-size", type=int, default=1024, help="test rows per forward")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
@@ -48,18 +59,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sequence-parallel", action="store_true", help="keep rows whole on every rank")
 
 
-def read_table(path: str):
-    """A polars DataFrame from a .csv or .parquet file, with a clear error for anything else."""
-    import polars as pl
+def read_table(path: str, na_values: Sequence[str] | None = None):
+    """A polars DataFrame from a .csv, .tsv or .parquet file (tabfm.table_io.read_table: NA tokens missing, one-line
+    TableError for a file that cannot be read)."""
+    from tabfm import table_io
 
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    if p.suffix.lower() == ".parquet":
-        return pl.read_parquet(p)
-    if p.suffix.lower() in (".csv", ".tsv", ".txt"):
-        return pl.read_csv(p, separator="\t" if p.suffix.lower() == ".tsv" else ",", infer_schema_length=10_000)
-    raise ValueError(f"{path}: unknown table format {p.suffix!r}; use .csv, .tsv or .parquet")
+    return table_io.read_table(path, table_io.NA_VALUES if na_values is None else na_values)
 
 
 def infer_task(y) -> str:
@@ -73,70 +78,114 @@ def infer_task(y) -> str:
     return "regression" if len(distinct) > 20 and not np.all(distinct == np.round(distinct)) else "classification"
 
 
+def _is_rank0() -> bool:
+    """True unless this is a torchrun worker other than rank 0 (torch.distributed is looked up, never imported:
+    the one-process path reads and checks the tables before paying for torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is None or not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _say(args: argparse.Namespace, message: str, *, warning: bool = False) -> None:
+    """A progress line (not with --quiet) or a warning (always) on stderr, from rank 0 only."""
+    if _is_rank0() and (warning or not args.quiet):
+        print(f"tabfm predict: {'warning: ' if warning else ''}{message}", file=sys.stderr)
+
+
+def load_tables(args: argparse.Namespace):
+    """(X, y, X_test, task) from --train and --test: columns matched, rows without a target dropped (with a
+    warning), a warning for each text column that is mostly numbers. Raises ValueError on bad input."""
+    from tabfm import table_io
+
+    na = table_io.na_tokens(args.na_values, defaults=not args.no_default_na)
+    train, test = read_table(args.train, na), read_table(args.test, na)
+    for path, table in ((args.train, train), (args.test, test)):
+        for column, k, n, others in table_io.mostly_numeric_text(table):
+            shown = ", ".join(repr(v) for v in others)
+            _say(args, f"{path}: column {column!r} is read as text (categories) although {k} of its {n} values are "
+                 f"numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
+    if args.target not in train.columns:
+        raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
+    unlabelled = train.get_column(args.target).null_count()
+    if unlabelled == train.height:
+        raise ValueError(f"{args.train}: the target column {args.target!r} is empty (every cell is missing)")
+    if unlabelled:
+        _say(args, f"{args.train}: {unlabelled} of {train.height} rows have no {args.target!r} value; they are left "
+             "out", warning=True)
+        train = train.filter(train.get_column(args.target).is_not_null())
+    y = train.get_column(args.target)
+    X = train.drop(args.target)
+    if not X.columns:
+        raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
+    X_test = test.drop(args.target) if args.target in test.columns else test
+    missing_cols = [c for c in X.columns if c not in X_test.columns]
+    if missing_cols:
+        raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
+    task = infer_task(y) if args.task == "auto" else args.task
+    if args.proba and task == "regression":
+        raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
+    return X, y, X_test.select(X.columns), task
+
+
 def run_prediction(args: argparse.Namespace) -> int:
     """Read, fit, predict, write (only rank 0 writes). Runs in every process when sharded."""
+    from tabfm import table_io
+
+    output = table_io.check_output(args.output, (args.train, args.test))
+    X, y, X_test, task = load_tables(args)
+    _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {X_test.height} rows")
+    out = fit_predict(args, X, y, X_test, task)
+    if not _is_rank0():
+        return 0
+    table_io.write_table(out, output, float_digits=6 if args.proba else None)
+    if output is not None:
+        _say(args, f"wrote {out.height} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
+    return 0
+
+
+def fit_predict(args: argparse.Namespace, X, y, X_test, task: str):
+    """The predictions as a DataFrame: the target column, then proba_CLASS columns with --proba."""
     import polars as pl
     import torch.distributed as dist
 
     from tabfm.estimator import TabFMClassifier, TabFMRegressor
 
-    train, test = read_table(args.train), read_table(args.test)
-    if args.target not in train.columns:
-        raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
-    y = train.get_column(args.target)
-    X = train.drop(args.target)
-    X_test = test.drop(args.target) if args.target in test.columns else test
-    missing_cols = [c for c in X.columns if c not in X_test.columns]
-    if missing_cols:
-        raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
-    X_test = X_test.select(X.columns)
-    task = infer_task(y) if args.task == "auto" else args.task
-    if args.proba and task == "regression":
-        raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
-    tp = None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        tp = args.layout or (world, 1)
+    tp = (args.layout or (world, 1)) if world > 1 else None
     kwargs = dict(n_estimators=args.n_estimators, checkpoint=args.checkpoint, batch_size=args.batch_size,
                   device=args.device, dtype=args.dtype, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
-                  categorical_features=[c for c in args.categorical.split(",") if c] or "auto", verbose=True)
+                  categorical_features=[c for c in args.categorical.split(",") if c] or "auto",
+                  verbose=not args.quiet and _is_rank0())
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     y_values = y.to_numpy() if task == "regression" else y.cast(pl.String).to_numpy()
     est.fit(X, y_values)
-    if args.proba:
-        proba = est.predict_proba(X_test)
-        out = pl.DataFrame({f"proba_{c}": proba[:, i] for i, c in enumerate(est.classes_)})
-    else:
-        out = pl.DataFrame({args.target: est.predict(X_test)})
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return 0
-    if args.output is None:
-        sys.stdout.write(out.write_csv())
-    elif Path(args.output).suffix.lower() == ".parquet":
-        out.write_parquet(args.output)
-    else:
-        out.write_csv(args.output)
-    if args.output is not None:
-        print(f"wrote {out.height} {'probability rows' if args.proba else 'predictions'} ({task}) to {args.output}",
-              file=sys.stderr)
-    return 0
+    if not args.proba:
+        return pl.DataFrame({args.target: est.predict(X_test)})
+    proba = est.predict_proba(X_test)
+    labels = pl.Series(args.target, est.classes_[proba.argmax(1)])
+    return pl.DataFrame([labels, *(pl.Series(f"proba_{c}", proba[:, i]) for i, c in enumerate(est.classes_))])
+
+
+def _fail(message: str) -> int:
+    print(f"tabfm predict: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _predict(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        print("error: --nproc must be at least 1", file=sys.stderr)
-        return 2
+    from tabfm import table_io
+
+    for flag, value in (("--nproc", args.nproc), ("--n-estimators", args.n_estimators),
+                        ("--batch-size", args.batch_size)):
+        if value < 1:
+            return _fail(f"{flag} must be at least 1, got {value}")
     if args.layout is not None and args.layout[0] * args.layout[1] != args.nproc:
-        print(f"error: --layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}",
-              file=sys.stderr)
-        return 2
-    if args.nproc == 1:
-        try:
+        return _fail(f"--layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}")
+    try:  # before any work, and before torchrun starts processes
+        table_io.check_output(args.output, (args.train, args.test))
+        if args.nproc == 1:
             return run_prediction(args)
-        except (ValueError, TypeError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m",
            "tabfm._cli_predict", *sys_argv_tail(args)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -148,17 +197,15 @@ def sys_argv_tail(args: argparse.Namespace) -> list[str]:
     out = ["--train", args.train, "--target", args.target, "--test", args.test, "--task", args.task,
            "--n-estimators", str(args.n_estimators), "--batch-size", str(args.batch_size), "--device", args.device,
            "--dtype", args.dtype]  # no --nproc: torchrun would take it for its own --nproc-per-node
-    for flag, value in (("--output", args.output), ("--checkpoint", args.checkpoint)):
+    for flag, value in (("--output", args.output), ("--checkpoint", args.checkpoint),
+                        ("--categorical", args.categorical), ("--na-values", args.na_values)):
         if value:
             out += [flag, value]
-    if args.categorical:
-        out += ["--categorical", args.categorical]
     if args.layout is not None:
         out += ["--layout", f"{args.layout[0]}x{args.layout[1]}"]
-    if args.proba:
-        out.append("--proba")
-    if args.no_sequence_parallel:
-        out.append("--no-sequence-parallel")
+    for flag in ("proba", "no_sequence_parallel", "no_default_na", "quiet"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
     return out
 
 
@@ -178,7 +225,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return run_prediction(args)
     except (ValueError, TypeError) as e:
         if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+            _fail(str(e))
         return 2
     finally:
         dist.destroy_process_group()

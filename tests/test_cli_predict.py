@@ -1,8 +1,11 @@
-"""`tabfm predict`: CSV and Parquet in and out, probabilities, task inference, clear errors, and a torchrun run on
-2 processes that writes the one-process predictions."""
+"""`tabfm predict`: CSV and Parquet in and out, probabilities, task inference, NA tokens, clear errors for bad
+input (one line, nothing written, inputs untouched), and a torchrun run on 2 processes that writes the one-process
+predictions."""
 
 from __future__ import annotations
 
+import csv
+import re
 import subprocess
 import sys
 
@@ -41,9 +44,11 @@ def test_predict_proba_parquet_and_stdout(tables, capsys):
                str(tables / "test.parquet"), "--proba", "--n-estimators", "2"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "proba_no,proba_yes" and len(lines) == 31
-    proba = np.array([[float(v) for v in line.split(",")] for line in lines[1:]])
-    assert np.allclose(proba.sum(1), 1)
+    assert lines[0] == "label,proba_no,proba_yes" and len(lines) == 31
+    labels = [line.split(",")[0] for line in lines[1:]]
+    proba = np.array([[float(v) for v in line.split(",")[1:]] for line in lines[1:]])
+    assert np.allclose(proba.sum(1), 1, atol=1e-5)
+    assert labels == [("no", "yes")[i] for i in proba.argmax(1)]
 
 
 def test_predict_regression_is_inferred(tables):
@@ -78,5 +83,94 @@ def test_predict_sharded_under_torchrun_equals_one_process(tables):
     run = subprocess.run([sys.executable, "-m", "tabfm.cli", "predict", *common, "--nproc", "2", "--layout", "1x2",
                           "-o", str(tables / "two.csv")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    one, two = pl.read_csv(tables / "one.csv").to_numpy(), pl.read_csv(tables / "two.csv").to_numpy()
-    np.testing.assert_allclose(two, one, rtol=0, atol=1e-10)
+    one, two = pl.read_csv(tables / "one.csv"), pl.read_csv(tables / "two.csv")
+    assert one["label"].to_list() == two["label"].to_list()
+    np.testing.assert_allclose(two.drop("label").to_numpy(), one.drop("label").to_numpy(), rtol=0, atol=1e-10)
+
+
+def _with_tokens(frame: pl.DataFrame, path, tokens: list[str]) -> None:
+    """`frame` as CSV with its missing cells written as the given tokens in turn (as a hand-made file has them)."""
+    rows = frame.select(pl.all().cast(pl.String)).rows()
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(frame.columns)
+        w.writerows([tokens[(i + j) % len(tokens)] if v is None else v for j, v in enumerate(row)]
+                    for i, row in enumerate(rows))
+
+
+def test_na_tokens_read_as_missing_give_the_predictions_of_empty_cells(tables, capsys):
+    train = pl.read_csv(tables / "train.csv")
+    train = train.with_columns(pl.when(pl.int_range(pl.len()) % 7 == 0).then(None).otherwise(pl.col("x")).alias("x"))
+    train.write_csv(tables / "empty_cells.csv")
+    _with_tokens(train, tables / "tokens.csv", ["NA", "?", "N/A", "-", "null", " NA"])
+    assert "?" in (tables / "tokens.csv").read_text()
+    common = ["predict", "--target", "label", "--test", str(tables / "test.csv"), "--proba", "--n-estimators", "1",
+              "--batch-size", "16"]
+    assert main([*common, "--train", str(tables / "empty_cells.csv"), "-o", str(tables / "a.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "tabfm predict: classification: fitting on 90 rows x 7 features, predicting 30 rows" in err
+    assert "predict: 100%" in err  # the estimator's progress bar over the 2 test batches
+    assert "wrote 30 probability rows (classification)" in err
+    assert main([*common, "--train", str(tables / "tokens.csv"), "-o", str(tables / "b.csv"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert (tables / "a.csv").read_text() == (tables / "b.csv").read_text()  # before: 'x' became a category
+    pred = pl.read_csv(tables / "a.csv")
+    assert pred.columns == ["label", "proba_no", "proba_yes"]
+    assert pred["label"].to_list() == [("no", "yes")[i] for i in pred.drop("label").to_numpy().argmax(1)]
+    digits = {len(re.sub(r"e-?\d+$|^0\.0*|\.", "", v)) for line in (tables / "a.csv").read_text().splitlines()[1:]
+              for v in line.split(",")[1:]}
+    assert max(digits) <= 6 and max(digits) >= 5
+
+
+def test_a_mostly_numeric_text_column_is_warned_about(tables, capsys):
+    train = pl.read_csv(tables / "train.csv")
+    bad = train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
+                             .otherwise(pl.col("x").cast(pl.String)).alias("x"))
+    bad.write_csv(tables / "bad.csv")
+    # The warning comes as the tables are read, before anything else: a wrong target stops the run right after.
+    argv = ["predict", "--train", str(tables / "bad.csv"), "--test", str(tables / "test.csv"), "--target", "nope"]
+    assert main(argv) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == (f"tabfm predict: warning: {tables / 'bad.csv'}: column 'x' is read as text (categories) "
+                       "although 81 of its 90 values are numbers; the others: 'n.a.'. If they mean missing, pass "
+                       "--na-values")
+    assert error.startswith("tabfm predict: error: ") and "has no column 'nope'" in error
+    assert main([*argv, "--na-values", "n.a."]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize("files, args, message", [
+    ({"train.csv": b""}, [], "{train}: the file is empty"),
+    ({"test.csv": b"x,noise\n"}, [], "{test}: has a header (2 columns) but no rows"),
+    ({"train.csv": b"x,label\n1,yes\n2,no,3\n"}, [], "{train}: line 3 has 3 fields but the header has 2"),
+    ({"test.csv": "x,colour\n1,caf\xe9\n".encode("latin-1")}, [], "{test}: not UTF-8 text (byte 0xe9 on line 2)"),
+    ({"fake.parquet": b"x,colour\n1,red\n"}, ["--test", "{tmp}/fake.parquet"], "{tmp}/fake.parquet: not a Parquet"),
+    ({}, ["-o", "{tmp}/preds.xlsx"], "{tmp}/preds.xlsx: cannot write a table with extension '.xlsx'"),
+    ({}, ["-o", "{tmp}/nowhere/preds.csv"], "folder {tmp}/nowhere does not exist; create it first"),
+    ({}, ["-o", "{train}"], "{train}: is the input table {train}"),
+    ({}, ["-o", "{tmp}/../{tmp.name}/test.csv"], "is the input table {test}"),
+    ({"train.csv": b"x,label\n1,NA\n2,?\n"}, [], "{train}: the target column 'label' is empty"),
+    ({}, ["--n-estimators", "0"], "--n-estimators must be at least 1, got 0"),
+])
+def test_bad_input_gives_one_line_and_writes_nothing(tables, capsys, files, args, message):
+    for name, data in files.items():
+        (tables / name).write_bytes(data)
+    names = {"tmp": tables, "train": tables / "train.csv", "test": tables / "test.csv"}
+    before = _snapshot(tables)
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv")]
+    assert main([*argv, *(a.format(**names) for a in args)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tabfm predict: error: "), err
+    assert message.format(**names) in err
+    assert _snapshot(tables) == before
+
+
+def test_output_is_checked_before_torchrun_starts(tables, capsys):
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--nproc", "2", "-o", str(tables / "train.csv")]
+    assert main(argv) == 2
+    assert "is the input table" in capsys.readouterr().err
