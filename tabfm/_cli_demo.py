@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 
-import torch
-
 
 def parse_layout(text: str) -> tuple[int, int]:
     """'2x2' -> (2, 2)."""
@@ -29,13 +27,17 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", type=parse_layout, default=(2, 2), help="tensor-parallel mesh d0xd1")
-    parser.add_argument("--sequence-parallel", action="store_true", help="shard tokens over axis 0 too")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--layout", type=parse_layout, default=(2, 2),
+                        help="tensor-parallel mesh d0xd1: d0 ranks on axis 0 times d1 on axis 1 (default: 2x2)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard the tokens over axis 0 too (default: tokens whole on every rank)")
+    parser.add_argument("--steps", type=int, default=30, help="AdamW steps to train (default: 30)")
+    parser.add_argument("--depth", type=int, default=2, help="transformer blocks in the stack (default: 2)")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden width; must divide by d1 for the sharded norms (default: 64)")
+    parser.add_argument("--heads", type=int, default=8,
+                        help="attention heads; must divide by d0*d1 (default: 8)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence, 8 sequences a step (default: 32)")
 
 
 def add_parser(subparsers) -> None:
@@ -62,6 +64,8 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def _train(model, mesh, sp: bool, steps: int, tokens: int, hidden: int) -> list[float]:
+    import torch
+
     from tabfm.parallel.layers import gather_activation, shard_activation
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -80,6 +84,7 @@ def _train(model, mesh, sp: bool, steps: int, tokens: int, hidden: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
     import torch.distributed as dist
 
     from tabfm.parallel import dense

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-
-from tqdm import tqdm
+from pathlib import Path
 
 from tabfm.data.config import DataConfig, TableConfig
-from tabfm.data.dump import write_tables
 from tabfm.data.priors.mix import PRIOR_NAMES, PriorConfig
 
 
@@ -23,7 +21,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prior", choices=PRIOR_NAMES, default="mix", help="prior family (default: mix)")
     p.add_argument("--n-tables", type=int, default=1000, help="tables to write (default: 1000)")
-    p.add_argument("--out", required=True, help="output folder (created if missing)")
+    p.add_argument("--out", required=True, help="output folder (created if missing; must be empty unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty folder: an earlier run's table_*.parquet/.json and manifest.json "
+                   "there are deleted first, other files are left alone")
     p.add_argument("--seed", type=int, default=0, help="root seed (default: 0)")
     p.add_argument("--task", choices=("any", "classification", "regression"), default="any",
                    help="force every table's task (default: drawn per table)")  # fmt: skip
@@ -41,8 +42,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+GEN_FILES = ("table_*.parquet", "table_*.json", "manifest.json")
+"""What `tabfm gen` writes into --out, and so what --overwrite deletes there (nothing else)."""
+
+
+def prepare_out(out: str, overwrite: bool) -> None:
+    """Refuse an --out that is a file, or a non-empty folder without --overwrite (tables of two runs would mix
+    silently); with --overwrite, delete an earlier run's files first."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out} is not empty; choose an empty or new folder, or pass --overwrite to replace "
+                         "an earlier run's tables there")
+    for pattern in GEN_FILES:
+        for old in folder.glob(pattern):
+            old.unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the tables; 0 on success, 2 on a bad option (with what to change)."""
+    from tqdm import tqdm
+
+    from tabfm.data.dump import write_tables
+
     try:
         table = replace(
             TableConfig(),
@@ -55,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = DataConfig(seed=args.seed, prior=PriorConfig(name=args.prior), table=table)
         if args.workers < 0:
             raise ValueError(f"--workers={args.workers} must be >= 0")
+        if args.n_tables < 1:
+            raise ValueError(f"--n-tables={args.n_tables} must be >= 1")
+        prepare_out(args.out, args.overwrite)
         with tqdm(total=args.n_tables, unit="table", desc=f"gen {args.prior}") as bar:
             out = write_tables(
                 cfg,
@@ -64,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 progress=bar.update,
             )
-    except ValueError as e:
-        print(f"tabfm gen: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"tabfm gen: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.n_tables} tables to {out}")
     return 0

@@ -6,11 +6,22 @@ import argparse
 import sys
 
 
+def _preset_names() -> list[str]:
+    """The topology presets, listed without importing tabfm.parallel.topology (it imports torch, which would make
+    `tabfm --help` take seconds): the same folder as topology.preset_dir(), found from where that module lives."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("tabfm.parallel.topology")
+    repo_configs = Path(spec.origin).resolve().parents[1] / "configs" / "topology" if spec and spec.origin else None
+    folder = os.environ.get("TABFM_TOPOLOGY_DIR") or repo_configs
+    return sorted(p.stem for p in Path(folder).glob("*.yaml")) if folder and Path(folder).is_dir() else []
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the `tabfm` command."""
-    from tabfm.parallel.topology import preset_names
-
-    presets = preset_names()
+    presets = _preset_names()
     p = subparsers.add_parser(
         "plan",
         help="rank the tensor-parallel layouts of N ranks for a model (ATP planner)",

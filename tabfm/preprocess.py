@@ -1,9 +1,11 @@
 """A user's feature table (numpy, pandas or polars) -> the model's cells, fitted on the train rows only.
 
-    columns      numeric (any real dtype), or categorical (strings, booleans, pandas/polars categoricals, or the
-                 columns named in `categorical_features`); an object column that mixes strings and numbers is an
-                 error, never a guess
-    missing      None, NaN, null and pd.NA are missing cells; inf is an error
+    columns      numeric (any real dtype; dates, times and durations as seconds, time zones in UTC), or
+                 categorical (strings, booleans, pandas/polars categoricals, or the columns named in
+                 `categorical_features`); an object column that mixes strings and numbers is an error, never a
+                 guess, and so are complex numbers, nested (list / struct) columns and duplicate column names
+    missing      None, NaN, NaT, null and pd.NA are missing cells; inf is an error; a column with no value in a
+                 predict batch reads as missing cells of its fit-time kind
     constant     a column with one value and no missing cell carries nothing and is dropped at fit
     categories   the train rows' categories, sorted as strings, are codes 0..n-1; a category first seen at
                  predict is a missing cell
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import decimal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,12 +64,15 @@ def _is_missing(v: Any) -> bool:
     if v is None:
         return True
     try:
-        return bool(v != v)  # NaN, pd.NA (raises TypeError: ambiguous)
+    """None, NaN, NaT and pd.NA (the one value unequal to itself, or whose comparison has no truth value)."""
+        return bool(v != v)  # NaN, NaT; pd.NA raises TypeError (ambiguous)
     except TypeError:
         return True
 
 
 def category_string(v: Any) -> str:
+    except ValueError:  # an array in a cell: not missing, and refused by the caller as a bad cell
+        return False
     """The canonical string of a category value, so 1, 1.0 and "1" read the same at fit and predict."""
     if isinstance(v, bool | np.bool_):
         return str(bool(v))
@@ -93,8 +99,14 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
         raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
                         "use X.toarray() to convert it to a dense numpy array")
     if hasattr(X, "iloc") and hasattr(X, "columns"):  # pandas
-        return [str(c) for c in X.columns], [X.iloc[:, i] for i in range(X.shape[1])]
-    arr = np.asarray(X)
+        names = [str(c) for c in X.columns]
+        _check_unique(names)
+        return names, [X.iloc[:, i] for i in range(X.shape[1])]
+    try:
+        arr = np.asarray(X)
+    except ValueError:  # ragged rows
+        raise ValueError("X's rows have different lengths: give every row one value per column (None where "
+                         "missing)") from None
     if arr.dtype.kind == "c":
         raise ValueError("Complex data not supported: X must hold real numbers or categories")
     if arr.ndim == 1:
@@ -106,23 +118,98 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
 
 
 def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
-    """("numeric", float64 array with NaN) or ("categorical", object array of str / None)."""
-    dtype = getattr(col, "dtype", None)
-    module = type(col).__module__
-    if module.startswith("polars"):
-        if dtype.is_numeric():
-            return "numeric", col.cast(float).fill_null(float("nan")).to_numpy().astype(np.float64)
-        if dtype.is_temporal():
-            return "numeric", col.cast(int).cast(float).fill_null(float("nan")).to_numpy().astype(np.float64)
-        col = col.to_list()
-    elif module.startswith("pandas"):
-        import pandas as pd
+    """("numeric", float64 array with NaN) or ("categorical", object array of str / None). Dates, times and
+    durations are numeric, in seconds."""
+def _check_unique(names: list[str]) -> None:
+    """Column names are how fit's columns are found again at predict: a name used twice is ambiguous."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ValueError(f"X has two columns named {name!r} (positions {seen[name]} and {i}): rename or drop one "
+                             "so that every column name is unique")
+        seen[name] = i
 
-        if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
-            return "numeric", col.astype("float64").to_numpy(dtype=np.float64, na_value=np.nan)
-        if pd.api.types.is_datetime64_any_dtype(dtype):
-            return "numeric", col.astype("int64").astype("float64").to_numpy()
-        col = col.astype(object).to_numpy()
+
+def _is_arrow_temporal(t: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_duration(t)
+
+
+def _temporal_seconds(arr: Any) -> np.ndarray:
+    """A pyarrow date / time / timestamp / duration array -> float64 seconds (since the epoch, since midnight, or
+    long), NaN where null: every unit, time zone and library reads alike, so fit and predict agree."""
+    import pyarrow as pa
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    t = arr.type
+    if pa.types.is_date32(t):
+        scale = 86400.0
+    elif pa.types.is_date64(t):
+        scale = 1e-3
+    else:
+        scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[t.unit]
+    ints = arr.view(pa.int32() if t.bit_width == 32 else pa.int64())
+    out = ints.to_numpy(zero_copy_only=False).astype(np.float64) * scale
+    out[arr.is_null().to_numpy(zero_copy_only=False)] = np.nan
+    return out
+
+
+def _numpy_temporal_seconds(arr: np.ndarray) -> np.ndarray:
+    """datetime64 / timedelta64 (any unit, NaT missing) -> float64 seconds, as _temporal_seconds."""
+    import pyarrow as pa
+
+    if np.datetime_data(arr.dtype)[0] not in ("s", "ms", "us", "ns"):  # days, weeks, months...: arrow lacks them
+        arr = arr.astype(f"{arr.dtype.name.split('[')[0]}[s]")
+    return _temporal_seconds(pa.array(arr, from_pandas=True))
+
+
+def _complex_error(name: str) -> ValueError:
+    return ValueError(f"column {name!r} holds complex numbers; X cells must be real: pass the real part (np.real) "
+                      "and the imaginary part (np.imag) as two columns, or the magnitude (np.abs)")
+
+
+def _pandas_column(col: Any, name: str) -> tuple[str, np.ndarray] | np.ndarray:
+    """A pandas column read by its dtype, or its cells as an object array when the values must decide."""
+    import pandas as pd
+
+    dtype = col.dtype
+    if isinstance(dtype, pd.CategoricalDtype):  # categorical whatever its categories (ints included)
+        return "categorical", np.array([None if _is_missing(v) else category_string(v) for v in col.astype(object)],
+                                       dtype=object)
+    arrow = dtype.pyarrow_dtype if isinstance(dtype, pd.ArrowDtype) else None
+    if (pd.api.types.is_datetime64_any_dtype(dtype) or pd.api.types.is_timedelta64_dtype(dtype)
+            or (arrow is not None and _is_arrow_temporal(arrow))):
+        import pyarrow as pa
+
+        return "numeric", _temporal_seconds(pa.array(col, from_pandas=True))
+    if pd.api.types.is_complex_dtype(dtype):
+        raise _complex_error(name)
+    if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
+        return "numeric", col.astype("float64").to_numpy(dtype=np.float64, na_value=np.nan)
+    return col.astype(object).to_numpy()
+
+
+def _polars_column(col: Any, name: str) -> tuple[str, np.ndarray] | list:
+    """A polars column read by its dtype, or its cells as a list when the values must decide."""
+    dtype = col.dtype
+    if dtype.is_nested():
+        raise TypeError(f"column {name!r} has the nested polars type {dtype}; X cells must be numbers, strings, "
+                        "booleans or missing: unnest or explode it into plain columns first")
+    if dtype.is_numeric():
+        return "numeric", col.cast(float).fill_null(float("nan")).to_numpy().astype(np.float64)
+    if dtype.is_temporal():
+        return "numeric", _temporal_seconds(col.to_arrow())
+    return col.to_list()
+
+
+    module = type(col).__module__
+    if module.startswith(("polars", "pandas")):
+        read = _polars_column(col, name) if module.startswith("polars") else _pandas_column(col, name)
+        if isinstance(read, tuple):
+            return read
+        col = read
     arr = np.asarray(col)
     if arr.dtype.kind in "biuf":
         if arr.dtype.kind == "b":
@@ -131,8 +218,10 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
     if arr.dtype.kind in "US":
         return "categorical", arr.astype(str).astype(object)
     if arr.dtype.kind == "c":
-        raise ValueError("Complex data not supported: X must hold real numbers or categories")
+        raise _complex_error(name)
     # object: decide from the values
+    if arr.dtype.kind in "Mm":
+        return "numeric", _numpy_temporal_seconds(arr)
     kinds = set()
     out = np.empty(len(arr), dtype=object)
     for i, v in enumerate(arr):
@@ -141,9 +230,13 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
         elif isinstance(v, str | bool | np.bool_ | np.str_):
             kinds.add("str")
             out[i] = category_string(v)
-        elif isinstance(v, numbers.Real):
+        elif isinstance(v, numbers.Real | decimal.Decimal):
             kinds.add("num")
-            out[i] = float(v)
+            try:
+                out[i] = float(v)
+            except OverflowError:
+                raise ValueError(f"column {name!r} holds a {len(str(abs(int(v))))}-digit number, beyond float64's "
+                                 "range (about 1.8e308): rescale the column or mark the cell missing") from None
         else:
             raise TypeError(f"column {name!r} holds a {type(v).__name__} ({v!r}); X cells must be numbers, strings, "
                             "booleans or missing (None / NaN)")
@@ -266,6 +359,8 @@ class TablePreprocessor:
                 codes[:, j] = [lookup.get(v, -1) for v in raw]
                 is_cat[j], n_cats[j] = True, len(c.categories)
         return Cells(values, codes, is_cat, n_cats)
+                if kind != "numeric" and all(v is None for v in raw):  # an all-missing batch (None, polars Null)
+                    kind, raw = "numeric", np.full(n, np.nan)
 
     def scale(self, cells: Cells, kind: str) -> np.ndarray:
         """The numeric values [n, C] under one of SCALINGS (NaN stays NaN; categorical columns stay NaN)."""

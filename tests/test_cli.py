@@ -1,6 +1,12 @@
-"""The `tabfm` command: subcommands exist and bad layouts are refused before any process starts."""
+"""The `tabfm` command: subcommands exist, its help imports no torch, --version, bad layouts are refused before
+any process starts, and `gen` does not mix two runs' tables in one folder."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
 
 import pytest
 
@@ -35,3 +41,70 @@ def test_demo_refuses_a_process_count_that_does_not_match(capsys):
 def test_demo_runs_on_one_process(capsys):
     assert _cli_demo.main(["--layout", "1x1", "--steps", "3", "--hidden", "16", "--heads", "2"]) == 0
     assert "largest relative difference: 0.00e+00" in capsys.readouterr().out
+
+
+def test_help_and_the_parser_import_no_torch():
+    # A fresh interpreter: this one has torch loaded already. `tabfm --help` took 4-16 s when it imported torch.
+    code = ("import sys; from tabfm.cli import build_parser, main\n"
+            "build_parser()\n"
+            "for argv in (['--help'], ['predict', '--help'], ['gen', '--help'], ['plan', '--help']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print('torch' in sys.modules, 'tabfm.estimator' in sys.modules, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == "False False"
+    assert "--na-values" in run.stdout and "--overwrite" in run.stdout and "flat64" in run.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tabfm {version('tabfm')}"
+
+
+def test_every_demo_option_has_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for flag, words in (("--steps", "AdamW steps"), ("--depth", "blocks"), ("--hidden", "hidden width"),
+                        ("--heads", "attention heads"), ("--tokens", "tokens per sequence")):
+        assert flag in out and words in out, flag
+    parser = cli.build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    assert all(a.help for a in demo._actions), [a.dest for a in demo._actions if not a.help]
+
+
+def _gen(out, n: int, *extra: str) -> int:
+    return cli.main(["gen", "--prior", "trees", "--n-tables", str(n), "--out", str(out), "--max-rows", "64",
+                     "--max-features", "4", *extra])
+
+
+def test_gen_refuses_a_non_empty_folder_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "tables"
+    assert _gen(out, 3) == 0
+    capsys.readouterr()
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert _gen(out, 2, "--seed", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"tabfm gen: error: --out {out} is not empty; choose an empty or new folder, or pass --overwrite " \
+        "to replace an earlier run's tables there"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _gen(out, 2, "--seed", "1", "--overwrite") == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["manifest.json", "notes.txt", "table_000000.json", "table_000000.parquet", "table_000001.json",
+                     "table_000001.parquet"]
+    assert json.loads((out / "manifest.json").read_text())["seed"] == 1
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_gen_refuses_a_file_as_out(tmp_path, capsys):
+    f = tmp_path / "x.parquet"
+    f.write_text("keep")
+    assert _gen(f, 1) == 2
+    assert capsys.readouterr().err.strip() == f"tabfm gen: error: --out {f} is a file, not a folder"
+    assert f.read_text() == "keep"
