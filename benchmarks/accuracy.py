@@ -1,10 +1,13 @@
 """Accuracy of the pretrained model's scikit-learn estimators against scikit-learn baselines on real tables.
 
-    python benchmarks/accuracy.py [--tables skl_iris,skl_diabetes] [--folds 5] [--n-estimators N]
-                                  [--max-context-rows N] [--models tabfm,logreg,ridge,rf,hgb,knn]
-                                  [--device cpu] [--out benchmarks/results]
+    python benchmarks/accuracy.py [--suites dev,suite2] [--tables skl_iris,keel_sonar] [--folds 5]
+                                  [--n-estimators N] [--max-context-rows N] [--set name=value ...]
+                                  [--models tabfm,logreg,ridge,rf,hgb,knn] [--reuse-baselines CSV]
+                                  [--learning-curve] [--device cpu] [--out benchmarks/results]
 
-Every table of benchmarks/datasets (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
+Two suites of real tables: `dev` (the 16 of benchmarks/datasets) and `suite2` (the 40 of
+benchmarks/datasets/suite2); each is summarised on its own and together (all 56), since a change that helps
+only 16 tables is not a gain. Every table (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
 stored in its sidecar (`fold_ids`: train on the other folds, test on fold k), so every model sees exactly the
 same splits. Rows whose target is null are dropped. Models, all fitted on the same rows in this one process
 (the scikit-learn baselines with one OpenMP / BLAS thread, tabfm with torch's default threads):
@@ -22,8 +25,15 @@ multiclass: one-vs-rest macro over all the sidecar's classes), accuracy and log-
 regression R^2 and RMSE; and fit + predict seconds. Then per model the mean over tables of each metric and the
 mean rank (rank of ROC-AUC, or of R^2 for regression, among the models on each table; 1 = best, ties share
 the mean rank, a model that failed on a table ranks last there). A baseline that fails on a table is reported,
-not fatal. The targets, checked on the last line: tabfm's mean ROC-AUC >= the best baseline's, and tabfm's
-mean log-loss <= logistic regression's.
+not fatal. The targets, checked per suite: tabfm's mean ROC-AUC >= the best baseline's, tabfm's mean
+log-loss <= logistic regression's, and tabfm's mean R^2 >= the named regression baseline's.
+
+Each table's profile is printed beside its scores (rows, features, categorical and missing share, classes, the
+target's skew), so that where the model loses can be read against what the tables are. `--learning-curve` adds
+log-loss (or R^2) against the number of train rows (100, 300, 1000, all) on a few tables, ours beside logistic
+regression / ridge and HGB. `--reuse-baselines benchmarks/results/accuracy.csv` reads the baselines' per-table
+means from an earlier run instead of refitting them (for quick iterations on tabfm; the README numbers come
+from full runs).
 
 Writes the printed text to OUT/accuracy.txt and per-table, per-model results to OUT/accuracy.csv.
 """
@@ -61,6 +71,13 @@ from tqdm.auto import tqdm
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.evaluate import DATASETS_DIR, _read
 
+SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2"}
+"""Where each suite's tables live."""
+REG_REFERENCE = {"dev": "ridge", "suite2": "hgb"}
+"""The regression baseline each suite's R^2 target is judged against (the issue's targets)."""
+CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
+CURVE_SIZES = (100, 300, 1000)
+
 MODELS = ("tabfm", "logreg", "ridge", "rf", "hgb", "knn")
 CLASSIFIERS = ("tabfm", "logreg", "rf", "hgb", "knn")
 REGRESSORS = ("tabfm", "ridge", "rf", "hgb", "knn")
@@ -81,10 +98,25 @@ class RealTable:
     folds: np.ndarray
     classes: list[str]
     n_dropped: int                 # rows dropped for a null (or unknown) target
+    suite: str = "dev"
 
     @property
     def is_classification(self) -> bool:
         return self.task != "regression"
+
+    def profile(self) -> dict[str, float]:
+        """What the table is: rows, features, categorical and missing share, classes, the target's skew
+        (regression: sample skewness; classification: the largest class's share)."""
+        n, C = self.X_np.shape
+        missing = float(np.mean([[v is None or (isinstance(v, float) and math.isnan(v)) for v in row]
+                                 for row in self.X_np])) if n and C else 0.0
+        if self.is_classification:
+            skew = float(np.bincount(self.y).max() / len(self.y))
+        else:
+            z = (self.y - self.y.mean()) / max(self.y.std(), 1e-300)
+            skew = float(np.mean(z ** 3))
+        return {"rows": n, "features": C, "cat_share": (C - self.n_numeric) / max(C, 1), "missing": missing,
+                "classes": len(self.classes), "skew": skew}
 
 
 @dataclass
@@ -102,10 +134,15 @@ class Result:
         return float(np.mean(vals)) if vals else math.nan
 
 
-def load_real_table(name: str) -> RealTable:
-    """The table of benchmarks/datasets with its sidecar folds, null targets dropped (the same reading as
+def suite_tables(suite: str) -> list[str]:
+    """The table names of one suite (every sidecar of its folder but the suite's index)."""
+    return sorted(f.stem for f in SUITES[suite].glob("*.json") if f.stem != "index")
+
+
+def load_real_table(name: str, suite: str = "dev") -> RealTable:
+    """The table of a suite's folder with its sidecar folds, null targets dropped (the same reading as
     tabfm.evaluate: classes are positions in the sidecar's `classes`)."""
-    df, meta = _read(name, DATASETS_DIR)
+    df, meta = _read(name, SUITES[suite])
     folds = np.asarray(meta["fold_ids"], np.int64)
     if len(folds) != df.height:
         raise ValueError(f"{name}: {len(folds)} fold ids for {df.height} rows")
@@ -130,7 +167,7 @@ def load_real_table(name: str) -> RealTable:
                    dtype=object).T.reshape(X.height, len(cats))
     X_np = np.concatenate([num.astype(object), cat], axis=1)
     return RealTable(name=name, task=meta["task"], X=X, X_np=X_np, n_numeric=len(numeric), y=y[keep],
-                     folds=folds[keep], classes=classes, n_dropped=int((~keep).sum()))
+                     folds=folds[keep], classes=classes, n_dropped=int((~keep).sum()), suite=suite)
 
 
 def _as_float(X: np.ndarray) -> np.ndarray:
@@ -294,6 +331,7 @@ def summary_tables(cls: dict[str, dict[str, Result]], reg: dict[str, dict[str, R
         for m in reg_models:
             r2, n = _mean_over_tables(reg, m, "r2")
             rmse, _ = _mean_over_tables(reg, m, "rmse")
+            means[f"{m}/r2"] = r2
             secs = sum(r[m].seconds for r in reg.values())
             lines.append(f"| {m} | {_f(r2)} | {_f(rmse, 3)} | {_f(rank[m], 2)} | {n}/{len(reg)} | {secs:.1f} |")
         lines.append("")
@@ -302,39 +340,59 @@ def summary_tables(cls: dict[str, dict[str, Result]], reg: dict[str, dict[str, R
 
 def per_table_lines(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]],
                     models: list[str]) -> list[str]:
-    """One row per table and metric (ROC-AUC and log-loss, or R^2 and RMSE), one column per model."""
-    lines = ["| table | task | rows | metric | " + " | ".join(models) + " |", "|---" * (4 + len(models)) + "|"]
+    """One row per table and metric (ROC-AUC and log-loss, or R^2 and RMSE), one column per model, with the
+    table's profile (rows, features, categorical / missing share, classes, target skew) and ours minus the best
+    baseline on the first metric."""
+    lines = ["| table | suite | task | rows | feats | cat | miss | K | skew | metric | " + " | ".join(models)
+             + " | ours - best |", "|---" * (11 + len(models)) + "|"]
     for name, results in per_table.items():
         t = tables[name]
+        pr = t.profile()
         keys = ("roc_auc", "log_loss") if t.is_classification else ("r2", "rmse")
         for key in keys:
             cells = [_f(results[m].mean(key), 4 if key != "rmse" else 3) if m in results else "" for m in models]
-            lines.append(f"| {name} | {t.task} | {len(t.y)} | {key} | " + " | ".join(cells) + " |")
+            gap = ""
+            if key in ("roc_auc", "r2") and "tabfm" in results:
+                others = [results[m].mean(key) for m in models if m != "tabfm" and m in results]
+                others = [v for v in others if not math.isnan(v)]
+                if others:
+                    gap = f"{results['tabfm'].mean(key) - max(others):+.4f}"
+            lines.append(f"| {name} | {t.suite} | {t.task} | {pr['rows']} | {pr['features']} | {pr['cat_share']:.2f} | "
+                         f"{pr['missing']:.2f} | {pr['classes'] or ''} | {pr['skew']:.2f} | {key} | "
+                         + " | ".join(cells) + f" | {gap} |")
     return lines
 
 
-def target_lines(means: dict[str, float], cls_models: list[str]) -> list[str]:
-    """The two targets, judged honestly ("met" / "missed"; "n/a" when a model needed is not in the run)."""
-    if "tabfm" not in cls_models:
+def target_lines(means: dict[str, float], cls_models: list[str], reg_models: list[str],
+                 reg_reference: str) -> list[str]:
+    """The three targets, judged honestly ("met" / "missed"; "n/a" when a model needed is not in the run)."""
+    if "tabfm" not in cls_models + reg_models:
         return ["targets: n/a (tabfm not in --models)"]
     out = []
+    ours_auc, ours_ll = means.get("tabfm/roc_auc", math.nan), means.get("tabfm/log_loss", math.nan)
     baselines = [m for m in cls_models if m != "tabfm" and not math.isnan(means.get(f"{m}/roc_auc", math.nan))]
-    ours_auc, ours_ll = means["tabfm/roc_auc"], means["tabfm/log_loss"]
-    if baselines:
+    if baselines and not math.isnan(ours_auc):
         best = max(baselines, key=lambda m: means[f"{m}/roc_auc"])
         b = means[f"{best}/roc_auc"]
         verdict = "met" if ours_auc >= b else "missed"
         out.append(f"target 1, mean ROC-AUC >= best baseline's: tabfm {_f(ours_auc)} vs {best} {_f(b)} "
                    f"({ours_auc - b:+.4f}): {verdict}")
     else:
-        out.append("target 1, mean ROC-AUC >= best baseline's: n/a (no baseline in the run)")
-    if "logreg" in cls_models and not math.isnan(means.get("logreg/log_loss", math.nan)):
+        out.append("target 1, mean ROC-AUC >= best baseline's: n/a (no classification baseline in the run)")
+    if not math.isnan(means.get("logreg/log_loss", math.nan)) and not math.isnan(ours_ll):
         lr = means["logreg/log_loss"]
         verdict = "met" if ours_ll <= lr else "missed"
         out.append(f"target 2, mean log-loss <= logistic regression's: tabfm {_f(ours_ll)} vs logreg {_f(lr)} "
                    f"({ours_ll - lr:+.4f}): {verdict}")
     else:
         out.append("target 2, mean log-loss <= logistic regression's: n/a (logreg not in the run)")
+    ours_r2, ref_r2 = means.get("tabfm/r2", math.nan), means.get(f"{reg_reference}/r2", math.nan)
+    if not math.isnan(ours_r2) and not math.isnan(ref_r2):
+        verdict = "met" if ours_r2 >= ref_r2 else "missed"
+        out.append(f"target 3, mean R^2 >= {reg_reference}'s: tabfm {_f(ours_r2)} vs {reg_reference} {_f(ref_r2)} "
+                   f"({ours_r2 - ref_r2:+.4f}): {verdict}")
+    else:
+        out.append(f"target 3, mean R^2 >= {reg_reference}'s: n/a (a model needed is not in the run)")
     return out
 
 
@@ -356,15 +414,82 @@ def write_csv(path: Path, tables: dict[str, RealTable], per_table: dict[str, dic
     """Per table, per model: the fold-mean metrics, seconds and the first error (columns like baselines.csv)."""
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["dataset", "task", "model", "n_rows", "n_features", "n_classes", "n_folds", "roc_auc_mean",
-                    "accuracy_mean", "log_loss_mean", "r2_mean", "rmse_mean", "seconds", "failed_folds", "error"])
+        w.writerow(["dataset", "suite", "task", "model", "n_rows", "n_features", "n_classes", "n_folds",
+                    "roc_auc_mean", "accuracy_mean", "log_loss_mean", "r2_mean", "rmse_mean", "seconds",
+                    "failed_folds", "error"])
         for name, results in per_table.items():
             t = tables[name]
             for m, r in results.items():
                 vals = [r.mean(k) if k in r.metrics else math.nan for k in (*CLS_METRICS, *REG_METRICS)]
-                w.writerow([name, t.task, m, len(t.y), t.X.width, len(t.classes) or "", n_folds,
+                w.writerow([name, t.suite, t.task, m, len(t.y), t.X.width, len(t.classes) or "", n_folds,
                             *("" if math.isnan(v) else f"{v:.5f}" for v in vals), f"{r.seconds:.2f}",
                             r.n_failed_folds, r.error or ""])
+
+
+def read_baselines(paths: list[Path], names: list[str], n_folds: int) -> dict[str, dict[str, Result]]:
+    """The baselines' per-table means from earlier runs' accuracy.csv files or the suites' stored
+    baselines.csv (5 folds; tabfm's rows are skipped), as Results of one value per metric; refused when a file
+    scored other folds than this run."""
+    out: dict[str, dict[str, Result]] = {}
+    for path in paths:
+        with path.open() as fh:
+            for row in csv.DictReader(fh):
+                if row["model"] == "tabfm" or row["dataset"] not in names:
+                    continue
+                folds = int(row.get("n_folds") or 5)
+                if folds != n_folds:
+                    raise SystemExit(f"{path}: {row['dataset']} was scored on {folds} folds, this run on {n_folds}; "
+                                     f"refit the baselines or pass --folds {folds}")
+                seconds = float(row.get("seconds") or 0.0) or float(row.get("fit_predict_s_mean") or 0.0) * folds
+                res = Result(seconds=seconds, error=row.get("error") or None,
+                             n_failed_folds=int(row.get("failed_folds") or 0))
+                for key in (*CLS_METRICS, *REG_METRICS):
+                    if row.get(f"{key}_mean"):
+                        res.metrics[key] = [float(row[f"{key}_mean"])]
+                out.setdefault(row["dataset"], {})[row["model"]] = res
+    return out
+
+
+def learning_curve_lines(tables: dict[str, RealTable], ours: dict[str, Any]) -> list[str]:
+    """Log-loss (classification) or R^2 (regression) on fold 0's test rows against the number of train rows
+    (a random subset of the other folds, the same for every model): ours beside logreg / ridge and HGB."""
+    lines = ["Learning curve (fold 0 test rows; train rows subsampled, seed 0)", "",
+             "| table | metric | train rows | tabfm | logreg/ridge | hgb |", "|---|---|---|---|---|---|"]
+    rng = np.random.default_rng(0)
+    for name in [n for n in CURVE_TABLES if n in tables]:
+        t = tables[name]
+        train_all, test = np.flatnonzero(t.folds != 0), np.flatnonzero(t.folds == 0)
+        order = rng.permutation(train_all)
+        linear = "logreg" if t.is_classification else "ridge"
+        for size in [s for s in CURVE_SIZES if s < len(train_all)] + [len(train_all)]:
+            train = np.sort(order[:size])
+            if t.is_classification and len(np.unique(t.y[train])) < 2:
+                continue
+            row = []
+            for model in ("tabfm", linear, "hgb"):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        pred = fit_predict(make_model(model, t, ours), model, t, train, test)
+                    m = fold_metrics(t, t.y[test], pred)
+                    row.append(_f(m["log_loss" if t.is_classification else "r2"]))
+                except Exception as e:  # noqa: BLE001 -- reported in the table, not fatal
+                    row.append(f"failed ({type(e).__name__})")
+            lines.append(f"| {name} | {'log-loss' if t.is_classification else 'R^2'} | {size} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _estimator_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set name=value` pairs -> estimator keyword arguments (values read as YAML: 8, true, [1, 2], robust)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"--set {pair!r}: expected name=value")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def _warm_up(ours: dict[str, Any]) -> None:
@@ -374,9 +499,31 @@ def _warm_up(ours: dict[str, Any]) -> None:
     TabFMClassifier(**ours).fit(X, np.arange(16) % 2).predict_proba(X)
 
 
+def report(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]], models: list[str],
+           suites: list[str]) -> list[str]:
+    """Summary and targets per suite, then for all suites together when there are several."""
+    lines: list[str] = []
+    groups = [(s, [n for n in per_table if tables[n].suite == s]) for s in suites]
+    if len(suites) > 1:
+        groups.append(("+".join(suites), list(per_table)))
+    for label, names in groups:
+        if not names:
+            continue
+        cls = {n: per_table[n] for n in names if tables[n].is_classification}
+        reg = {n: per_table[n] for n in names if not tables[n].is_classification}
+        cls_models = [m for m in CLASSIFIERS if m in models]
+        reg_models = [m for m in REGRESSORS if m in models]
+        summary, means = summary_tables(cls, reg, cls_models, reg_models)
+        reference = REG_REFERENCE.get(label, "hgb")
+        lines += [f"## Suite {label} ({len(names)} tables)", "", *summary,
+                  *target_lines(means, cls_models, reg_models, reference), ""]
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", default=None, help="table names, comma-separated (default: all in benchmarks/datasets)")
+    p.add_argument("--suites", default="dev,suite2", help=f"comma-separated, of {','.join(SUITES)}")
+    p.add_argument("--tables", default=None, help="table names, comma-separated (default: every table of the suites)")
     p.add_argument("--folds", type=int, default=5, help="score folds 0..N-1 of the stored 5 folds")
     p.add_argument("--n-estimators", type=int, default=None, help="tabfm ensemble members (default: the estimator's)")
     p.add_argument("--max-context-rows", type=int, default=None,
@@ -384,7 +531,12 @@ def main() -> None:
     p.add_argument("--device", default=None, help="tabfm device: cpu, cuda, auto (default: the estimator's)")
     p.add_argument("--checkpoint", default=None, help="tabfm weights: merged .safetensors or checkpoint folder "
                    "(default: the shipped model)")
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="other tabfm estimator parameters")
     p.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
+    p.add_argument("--reuse-baselines", default=None, metavar="CSV[,CSV]",
+                   help="take the baselines' scores from earlier runs' accuracy.csv, or 'stored' for the suites' "
+                        "baselines.csv, instead of refitting them")
+    p.add_argument("--learning-curve", action="store_true", help="add the train-size curve on a few tables")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for accuracy.txt / .csv")
     args = p.parse_args()
 
@@ -393,40 +545,58 @@ def main() -> None:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    names = (args.tables.split(",") if args.tables else sorted(f.stem for f in DATASETS_DIR.glob("*.json")))
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    if not suites or set(suites) - set(SUITES):
+        p.error(f"--suites {args.suites!r}: choose from {','.join(SUITES)}")
+    where = {n: s for s in suites for n in suite_tables(s)}
+    names = args.tables.split(",") if args.tables else list(where)
+    missing = [n for n in names if n not in where]
+    if missing:
+        p.error(f"no table {missing} in the suites {suites}")
     ours = {k: v for k, v in (("n_estimators", args.n_estimators), ("max_context_rows", args.max_context_rows),
                               ("device", args.device), ("checkpoint", args.checkpoint)) if v is not None}
+    ours.update(_estimator_overrides(args.set))
     if "tabfm" in models:
         _warm_up(ours)
-    tables = {n: load_real_table(n) for n in names}
+    tables = {n: load_real_table(n, where[n]) for n in names}
     for t in tables.values():
         if args.folds > len(np.unique(t.folds)) or args.folds < 1:
             p.error(f"--folds {args.folds}: {t.name} has {len(np.unique(t.folds))} folds")
-    cls_models = [m for m in CLASSIFIERS if m in models]
-    reg_models = [m for m in REGRESSORS if m in models]
+    run_models = models
+    per_table: dict[str, dict[str, Result]] = {n: {} for n in names}
+    if args.reuse_baselines is not None:
+        paths = ([SUITES[s] / "baselines.csv" for s in suites] if args.reuse_baselines == "stored"
+                 else [Path(x) for x in args.reuse_baselines.split(",")])
+        for name, results in read_baselines(paths, names, args.folds).items():
+            per_table[name].update({m: r for m, r in results.items() if m in models})
+        run_models = [m for m in models if m == "tabfm"]
+    cls_models = [m for m in CLASSIFIERS if m in run_models]
+    reg_models = [m for m in REGRESSORS if m in run_models]
 
-    per_table: dict[str, dict[str, Result]] = {}
     jobs = [(n, k) for n in names for k in range(args.folds)]
+    fresh: dict[str, dict[str, Result]] = {n: {} for n in names}
     for name, k in tqdm(jobs, desc="table x fold", unit="fold", file=sys.stderr):
         t = tables[name]
-        run_fold(t, k, cls_models if t.is_classification else reg_models, ours, per_table.setdefault(name, {}))
+        run_fold(t, k, cls_models if t.is_classification else reg_models, ours, fresh[name])
+    for name in names:
+        per_table[name].update(fresh[name])
+        per_table[name] = {m: per_table[name][m] for m in MODELS if m in per_table[name]}
+    curve = learning_curve_lines(tables, ours) if args.learning_curve else []
     elapsed = time.perf_counter() - start_all
 
-    cls = {n: r for n, r in per_table.items() if tables[n].is_classification}
-    reg = {n: r for n, r in per_table.items() if not tables[n].is_classification}
-    summary, means = summary_tables(cls, reg, cls_models, reg_models)
     est_params = TabFMClassifier(**ours).get_params()
+    shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
     lines = [
         f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; "
         f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
-        f"tabfm: n_estimators={est_params['n_estimators']}, max_context_rows={est_params['max_context_rows']}, "
-        f"device={est_params['device']}, dtype={est_params['dtype']}, random_state={est_params['random_state']}, "
-        f"checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
-        "", *summary, "Per table (mean over folds)", "",
+        f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
+        f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}",
+        "", *report(tables, per_table, models, suites), "Per table (mean over folds)", "",
         *per_table_lines(tables, per_table, [m for m in MODELS if m in models]), "",
-        *target_lines(means, cls_models), "",
     ]
+    if curve:
+        lines += [*curve, ""]
     notes = notes_lines(per_table, tables)
     if notes:
         lines += ["Notes", *notes, ""]

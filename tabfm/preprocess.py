@@ -19,9 +19,9 @@ missing) and category codes; `scale(values, kind)` applies a scaling fitted at f
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
-import decimal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,18 +61,18 @@ class Cells:
 
 
 def _is_missing(v: Any) -> bool:
+    """None, NaN, NaT and pd.NA (the one value unequal to itself, or whose comparison has no truth value)."""
     if v is None:
         return True
     try:
-    """None, NaN, NaT and pd.NA (the one value unequal to itself, or whose comparison has no truth value)."""
         return bool(v != v)  # NaN, NaT; pd.NA raises TypeError (ambiguous)
     except TypeError:
         return True
+    except ValueError:  # an array in a cell: not missing, and refused by the caller as a bad cell
+        return False
 
 
 def category_string(v: Any) -> str:
-    except ValueError:  # an array in a cell: not missing, and refused by the caller as a bad cell
-        return False
     """The canonical string of a category value, so 1, 1.0 and "1" read the same at fit and predict."""
     if isinstance(v, bool | np.bool_):
         return str(bool(v))
@@ -117,9 +117,6 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])]
 
 
-def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
-    """("numeric", float64 array with NaN) or ("categorical", object array of str / None). Dates, times and
-    durations are numeric, in seconds."""
 def _check_unique(names: list[str]) -> None:
     """Column names are how fit's columns are found again at predict: a name used twice is ambiguous."""
     seen: dict[str, int] = {}
@@ -204,6 +201,9 @@ def _polars_column(col: Any, name: str) -> tuple[str, np.ndarray] | list:
     return col.to_list()
 
 
+def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
+    """("numeric", float64 array with NaN) or ("categorical", object array of str / None). Dates, times and
+    durations are numeric, in seconds."""
     module = type(col).__module__
     if module.startswith(("polars", "pandas")):
         read = _polars_column(col, name) if module.startswith("polars") else _pandas_column(col, name)
@@ -217,11 +217,11 @@ def _polars_column(col: Any, name: str) -> tuple[str, np.ndarray] | list:
         return "numeric", arr.astype(np.float64)
     if arr.dtype.kind in "US":
         return "categorical", arr.astype(str).astype(object)
+    if arr.dtype.kind in "Mm":
+        return "numeric", _numpy_temporal_seconds(arr)
     if arr.dtype.kind == "c":
         raise _complex_error(name)
     # object: decide from the values
-    if arr.dtype.kind in "Mm":
-        return "numeric", _numpy_temporal_seconds(arr)
     kinds = set()
     out = np.empty(len(arr), dtype=object)
     for i, v in enumerate(arr):
@@ -345,6 +345,8 @@ class TablePreprocessor:
         for j, c in enumerate(self.columns_):
             kind, raw = _raw_column(cols[c.index], c.name)
             if c.kind == "numeric":
+                if kind != "numeric" and all(v is None for v in raw):  # an all-missing batch (None, polars Null)
+                    kind, raw = "numeric", np.full(n, np.nan)
                 if kind != "numeric":
                     example = next((v for v in raw if v is not None), None)
                     raise ValueError(f"column {c.name!r} was numeric at fit but holds strings now (e.g. {example!r}); "
@@ -359,8 +361,6 @@ class TablePreprocessor:
                 codes[:, j] = [lookup.get(v, -1) for v in raw]
                 is_cat[j], n_cats[j] = True, len(c.categories)
         return Cells(values, codes, is_cat, n_cats)
-                if kind != "numeric" and all(v is None for v in raw):  # an all-missing batch (None, polars Null)
-                    kind, raw = "numeric", np.full(n, np.nan)
 
     def scale(self, cells: Cells, kind: str) -> np.ndarray:
         """The numeric values [n, C] under one of SCALINGS (NaN stays NaN; categorical columns stay NaN)."""
