@@ -24,7 +24,10 @@ TASKS = ("auto", "classification", "regression")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("predict", help="fit on a train table and predict a test table (CSV, TSV or Parquet)")
+    p = subparsers.add_parser(
+        "predict", help="fit on a train table and predict a test table (CSV, TSV or Parquet)",
+        description="Fit the pretrained model on --train (in context) and predict --test. Cells that are empty or "
+        "hold a usual missing token (NA, N/A, NaN, null, None, ?, - ...) are read as missing; see --na-values.")
     _add_arguments(p)
     p.set_defaults(run=_predict)
 
@@ -52,7 +55,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (warnings still show)")
     p.add_argument("--batch-size", type=int, default=1024, help="test rows per forward")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="model dtype (default: float32)")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun) to shard the model over")
     p.add_argument("--layout", type=parse_layout, default=None,
                    help="tensor-parallel mesh d0xd1 for --nproc (default: nproc x 1)")

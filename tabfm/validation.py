@@ -1,0 +1,172 @@
+"""Checks of what a user hands the estimators, each failing with one line that says what to do.
+
+    parameters   ESTIMATOR_PARAMETER_CONSTRAINTS: scikit-learn's `_parameter_constraints` for the estimators'
+                 constructor arguments (types and ranges; `_validate_params()` reports a bad one by name), then
+                 resolve_device / resolve_dtype for the values a type cannot rule out ("gpu", "meta", int64)
+    class labels check_class_labels(y): 1-D, no missing label (None, NaN, pd.NA, NaT), one kind of label
+                 (strings, numbers or booleans: never a mix, whose sort order and equality would be a guess)
+    threads      torch_threads(n_jobs): torch's (and BLAS's) thread count for the length of a block, restored after
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import os
+from collections.abc import Iterator
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.utils._param_validation import Interval, Options, StrOptions
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import column_or_1d
+
+from tabfm.preprocess import _is_missing
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The floating-point types the model runs in, by name."""
+
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+"""torch device types the model can run on (when present on the machine)."""
+
+
+class _PositiveInt(Interval):
+    """An int >= `left`, booleans excluded (scikit-learn's Interval takes True for 1)."""
+
+    def __init__(self, left: int = 1):
+        super().__init__(numbers.Integral, left, None, closed="left")
+
+    def is_satisfied_by(self, val: Any) -> bool:
+        return not isinstance(val, bool | np.bool_) and super().is_satisfied_by(val)
+
+
+ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
+    "n_estimators": [_PositiveInt()],
+    "checkpoint": [str, PurePath, None],
+    "categorical_features": [StrOptions({"auto"}), list, tuple, np.ndarray],
+    "max_context_rows": [_PositiveInt(), None],
+    "batch_size": [_PositiveInt()],
+    "device": [str, torch.device],  # the value is checked by resolve_device, with advice for "gpu" and "meta"
+    "dtype": [StrOptions(set(DTYPES)), Options(torch.dtype, set(DTYPES.values()))],
+    "tensor_parallel": [tuple, list, None],
+    "sequence_parallel": ["boolean"],
+    "random_state": [_PositiveInt(0), None],  # numpy's default_rng: non-negative seeds only
+    "verbose": ["verbose"],
+    "calibrate": ["boolean"],
+    "n_jobs": [_PositiveInt(), Options(numbers.Integral, {-1}), None],
+}
+"""scikit-learn parameter constraints of TabFMClassifier / TabFMRegressor (a parameter an estimator lacks is
+skipped, so one dict serves both): set as `_parameter_constraints` and call `self._validate_params()` in fit."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device to run on; "auto" picks CUDA when present. Refuses, with what to pass instead, names torch
+    does not know ("gpu"), "meta" (it holds no data) and devices this machine lacks."""
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hint = "use 'cpu', 'cuda' (or 'cuda:N'), or 'auto'"
+    if isinstance(device, str) and device.strip().lower().startswith("gpu"):
+        raise ValueError(f"device={device!r} is not a torch device name: use 'cuda' (or 'cuda:N') for an NVIDIA GPU, "
+                         "or 'auto'")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device torch knows: {hint}") from None
+    if dev.type == "meta":
+        raise ValueError(f"device={device!r} holds no data, so the model cannot run on it: {hint}")
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device={device!r} is not supported (supported: {', '.join(DEVICE_TYPES)}): {hint}")
+    if dev.type != "cpu":
+        backend = torch.backends.mps if dev.type == "mps" else getattr(torch, dev.type)
+        if not backend.is_available():
+            raise ValueError(f"device={device!r} but this machine has no {dev.type} device; use device='cpu' or 'auto'")
+        count = getattr(backend, "device_count", lambda: 1)()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r} but this machine has {count} {dev.type} device(s), numbered from 0")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The floating-point torch dtype the model runs in, from a name ("float32") or a torch.dtype."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype} is not a type the model computes in: use one of {', '.join(DTYPES)} "
+                         "(a name or the torch.dtype)")
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or the torch.dtype of one, got {dtype!r}")
+
+
+def _label_kind(v: Any) -> str:
+    """The kind of one label: labels of different kinds have no common order (np.unique) or equality (True == 1)."""
+    if isinstance(v, str | np.str_ | bytes):
+        return "str"
+    if isinstance(v, bool | np.bool_):
+        return "bool"
+    if isinstance(v, numbers.Number):
+        return "number"
+    return type(v).__name__
+
+
+def check_class_labels(y: Any) -> np.ndarray:
+    """y as a 1-D array of class labels, refused with one clear line when a label is missing (None, NaN, pd.NA,
+    NaT), infinite, or of another kind than the rest (strings mixed with numbers or booleans), or when y is
+    continuous."""
+    given = np.asarray(y, dtype=object).ravel() if isinstance(y, list | tuple) else None  # numpy would stringify
+    y = column_or_1d(y, warn=True)                                                           # ["a", 1] silently
+    missing = bad = np.zeros(len(y), bool)
+    if y.dtype.kind in "fc":
+        missing, bad = np.isnan(y), np.isinf(y)
+    elif y.dtype.kind in "Mm":
+        missing = np.isnat(y)
+    elif y.dtype.kind == "O":
+        missing = np.array([_is_missing(v) for v in y], dtype=bool).reshape(len(y))
+    if missing.any():
+        raise ValueError(f"y holds missing labels (None/NaN/pd.NA) in {int(missing.sum())} rows: drop those rows or "
+                         "give them a class")
+    if bad.any():
+        raise ValueError(f"y holds inf in {int(bad.sum())} rows: drop those rows or give them a class")
+    if (y.dtype.kind == "O" or given is not None) and len(y):
+        examples: dict[str, Any] = {}
+        for v in (y if given is None else given):
+            examples.setdefault(_label_kind(v), v)
+        if len(examples) > 1:
+            kinds = " and ".join(f"{k} (e.g. {v!r})" for k, v in examples.items())
+            raise ValueError(f"y mixes label types: {kinds}; give every label one type, e.g. y.astype(str)")
+    check_classification_targets(y)
+    return y
+
+
+def n_threads(n_jobs: int | None) -> int | None:
+    """The thread count n_jobs asks for: None (leave it), -1 (every core this process may use) or k >= 1."""
+    if n_jobs is None:
+        return None
+    if isinstance(n_jobs, numbers.Integral) and not isinstance(n_jobs, bool | np.bool_):
+        if n_jobs == -1:
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if n_jobs >= 1:
+            return int(n_jobs)
+    raise ValueError(f"n_jobs must be a positive number of threads, -1 (all cores) or None, got {n_jobs!r}")
+
+
+@contextlib.contextmanager
+def torch_threads(n_jobs: int | None) -> Iterator[int]:
+    """Run a block with torch's intra-op threads (and numpy's BLAS threads) set by n_jobs, restoring both after,
+    even on an error. On a busy machine fewer threads than torch's default (every core) avoid oversubscription.
+    Yields the thread count in force."""
+    threads = n_threads(n_jobs)
+    if threads is None:
+        yield torch.get_num_threads()
+        return
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=threads, user_api="blas"):
+            yield threads
+    finally:
+        torch.set_num_threads(before)
