@@ -16,9 +16,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("pretrain", help="pretrain on the synthetic prior (launches torchrun for --nproc > 1)")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (dp * d0 * d1)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failed rank")
-    p.add_argument("--config", help="YAML run config (configs/pretrain/*.yaml)")
+    p.add_argument("--config", help="YAML run config (required): configs/pretrain/{tiny,small,large}.yaml or yours")
     p.add_argument("--set", nargs="+", default=[], metavar="A.B=C", help="override config fields")
-    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|DIR")
+    add_run_dir_arguments(p)
     p.set_defaults(run=_pretrain)
 
     ckpt = subparsers.add_parser("ckpt", help="merge, re-split or verify a sharded checkpoint")
@@ -43,14 +43,39 @@ def add_parser(subparsers) -> None:
     plot.set_defaults(run=_plot_run)
 
 
+def add_run_dir_arguments(parser: argparse.ArgumentParser) -> None:
+    """--resume and --overwrite: what to do with a train.out_dir that already holds a run (also the arguments of
+    `python -m tabfm.pretrain`)."""
+    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|DIR",
+                        help="continue a run: auto (the value of a bare --resume) from the latest checkpoint in "
+                        "train.out_dir, from step 0 when it has none; DIR from that checkpoint folder "
+                        "(e.g. runs/tiny/checkpoints/step_0000010). Metric lines after the resumed step are "
+                        "dropped. Without --resume or --overwrite an out_dir that holds a run is refused")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an out_dir that holds a run: first deletes its metrics.jsonl, "
+                        "curves.png and checkpoints/ (config.yaml is rewritten)")
+
+
 def _pretrain(args: argparse.Namespace) -> int:
-    forwarded = (["--config", args.config] if args.config else []) + (["--set", *args.set] if args.set else [])
+    """Check the whole run in this process (config, layout for --nproc, out_dir), then train here or under
+    torchrun: a mistake is one line in a few seconds, not a traceback per rank after the workers start."""
+    from tabfm import pretrain
+
+    if args.nproc < 1 or args.max_restarts < 0:
+        return _fail("--nproc must be at least 1 and --max-restarts at least 0")
+    try:
+        cfg = pretrain.load_run_config(args.config, args.set)
+        pretrain.check_run(cfg, args.nproc, args.resume, args.overwrite)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    forwarded = ["--config", args.config] + (["--set", *args.set] if args.set else [])
     if args.resume is not None:
         forwarded += ["--resume", args.resume]
     if args.nproc == 1 and args.max_restarts == 0:
-        from tabfm import pretrain
-
-        return pretrain.main(forwarded)
+        return pretrain.main(forwarded + (["--overwrite"] if args.overwrite else []))
+    if args.overwrite and (note := pretrain.clear_run(Path(cfg.train.out_dir))):
+        print(note, file=sys.stderr)  # here, once: the ranks (and restarted ones) must not clear it again
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--max-restarts", str(args.max_restarts), "-m", "tabfm.pretrain", *forwarded]
     if args.max_restarts and args.resume is None:
@@ -113,16 +138,38 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_metrics_file(path: Path, warn: bool = True) -> list[dict]:
+    """The records of a metrics.jsonl. A torn last line (a crash, a full disk mid-write) is dropped with a warning;
+    an unparsable line before it is corruption, not a crash artefact: ValueError naming the line."""
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    records = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            record = json.loads(ln)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if i < last:
+                raise ValueError(f"{path} line {i + 1} is not a metrics record ({ln[:60]!r}); fix or delete "
+                                 "that line") from None
+            if warn:
+                print(f"warning: {path} line {i + 1} is torn ({ln[:60]!r}); dropping it", file=sys.stderr)
+            continue
+        records.append(record)
+    return records
+
+
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     """A run's training lines and evaluation lines from metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a pretraining run's out_dir?")
     train, evals = [], []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            (evals if "eval" in record else train).append(record)
+    for record in read_metrics_file(path):
+        (evals if "eval" in record else train).append(record)
     return train, evals
 
 

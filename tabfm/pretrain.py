@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tabfm import checkpoint as ckpt
+from tabfm._cli_train import add_run_dir_arguments, read_metrics_file
 from tabfm.config import OptimConfig, RunConfig, dump_config, load_config
 from tabfm.data.encode import Batch
 from tabfm.data.loader import make_loader
@@ -179,10 +180,30 @@ def _after_save(ckpt_root: Path, name: str, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+class _NoInit(torch.overrides.TorchFunctionMode):
+    """Skips initialisation (torch.nn.init.*, normal_, uniform_, randn): the parameters stay torch.empty, whose
+    pages are never touched. On the meta device the same model would run Python reference kernels that import
+    torch._dynamo: seconds (13 s on a loaded 2-core machine) in a launcher that only checks a layout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" or func in (torch.Tensor.normal_,
+                                                                            torch.Tensor.uniform_):
+            return args[0] if args else kwargs["tensor"]
+        if func is torch.randn:
+            return torch.empty(*args, **{k: v for k, v in kwargs.items() if k != "generator"})
+        return func(*args, **kwargs)
+
+
+def _shape_model(model_cfg: ModelConfig) -> TabFM:
+    """The model for its shapes only: uninitialised, on the CPU, costing neither memory nor time."""
+    with torch.device("cpu"), _NoInit():
+        return TabFM(model_cfg)
+
+
 def fitting_layouts(model_cfg: ModelConfig, world_size: int) -> list[ParallelDims]:
     """Every dp x d0 x d1 layout of `world_size` processes whose tensor-parallel mesh fits the model's shapes."""
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = TabFM(model_cfg)
+    model = _shape_model(model_cfg)
     plan = tp_plan(model)
     out = []
     for dp in range(1, world_size + 1):
@@ -208,8 +229,7 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
             raise LayoutError(f"layout auto: no tensor-parallel layout of {world_size // p.dp} ranks fits the "
                               f"model{hint}")
         return
-    with torch.device("meta"):
-        model = TabFM(cfg.model)
+    model = _shape_model(cfg.model)
     try:
         check_layout(model, tp_plan(model), p.d0, p.d1)
     except LayoutError as e:
@@ -217,10 +237,70 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
 
 
 def _trim_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines a crashed run wrote after the checkpoint it resumes from."""
-    if path.is_file():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in lines))
+    """On resume, keep only the metric lines up to `step` (none when the run starts afresh from step 0): a crashed
+    run wrote lines after the checkpoint it resumes from. Written to a temporary file and renamed."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics_file(path) if r["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+
+
+RUN_FILES = ("metrics.jsonl", "curves.png", "checkpoints")
+"""What a run leaves in its out_dir and `--overwrite` removes (config.yaml and layout.json are rewritten anyway)."""
+
+
+def previous_run(out_dir: Path) -> list[str]:
+    """What of an earlier run `out_dir` holds: a non-empty metrics log and a non-empty checkpoints folder."""
+    held = []
+    metrics, ckpts = out_dir / "metrics.jsonl", out_dir / "checkpoints"
+    if metrics.is_file() and metrics.stat().st_size:
+        held.append(str(metrics))
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        held.append(f"{ckpts}/")
+    return held
+
+
+def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse (ValueError) to start a run over an earlier one's files unless told to resume or overwrite it:
+    a restart at step 1 would overwrite its checkpoints and append a second copy of its steps to the log."""
+    if resume is not None and overwrite:
+        raise ValueError("--resume continues the run in train.out_dir and --overwrite deletes it: give one")
+    if resume not in (None, "auto") and not (Path(resume) / ckpt.MANIFEST).is_file():
+        raise ValueError(f"--resume {resume}: not a checkpoint folder (no {ckpt.MANIFEST}); give one such as "
+                         f"{out_dir}/checkpoints/step_0000010, or --resume auto for the latest in train.out_dir")
+    held = previous_run(out_dir)
+    if held and resume is None and not overwrite:
+        raise ValueError(f"{out_dir} already holds a run ({' and '.join(held)}): continue it with --resume auto, "
+                         "start another with --set train.out_dir=NEW_DIR, or delete it with --overwrite")
+    if resume is not None and (out_dir / "metrics.jsonl").is_file():
+        read_metrics_file(out_dir / "metrics.jsonl", warn=False)  # corrupt: refused now, not on rank 0 mid-run
+
+
+def clear_run(out_dir: Path) -> str | None:
+    """Delete an earlier run's metrics log, plot and checkpoints from `out_dir`; say what was removed."""
+    removed = []
+    for name in RUN_FILES:
+        path = out_dir / name
+        if path.is_dir():
+            count = sum(1 for p in path.glob("step_*") if p.is_dir())
+            shutil.rmtree(path)
+            removed.append(f"{path}/ ({count} checkpoint{'s' if count != 1 else ''})")
+        elif path.exists():
+            removed.append(str(path))
+            path.unlink()
+    return f"--overwrite removed {', '.join(removed)}" if removed else None
+
+
+class NonFiniteLossError(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite: the run stops before logging or saving it, so the last
+    checkpoint on disk is the last good state."""
+
+    def __init__(self, step: int, task: str, loss: float, grad_norm: float, last_good: Path | None) -> None:
+        kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
+        super().__init__(f"step {step} ({task} batch): loss {loss}, gradient norm {grad_norm}; stopped without "
+                         f"saving, {kept} (lower optim.lr or raise optim.warmup_steps, then --resume auto)")
 
 
 def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None) -> list[dict[str, Any]]:
@@ -256,8 +336,8 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     if path is not None:
         state = ckpt.load_checkpoint(path, model, optimizer)
         start = int(state.data_position.get("next_step", state.step))
-        if rank0:
-            _trim_metrics(metrics_path, start)
+    if rank0 and resume is not None:  # no checkpoint: start = 0 empties the log of the run that crashed before one
+        _trim_metrics(metrics_path, start)
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_config(cfg))
@@ -291,6 +371,9 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
             loss_value = all_reduce(loss_value, mesh.dp_axis) / mesh.dp_axis.size
         record = {"step": done, "loss": float(loss_value), "lr": lr, "grad_norm": float(norm), "task": batch.task,
                   "batch_shape": list(batch.values.shape), "seconds": round(time.perf_counter() - tic, 4)}
+        if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+            bar.close()  # the same on every rank (both are reduced over the mesh): all stop, none saves
+            raise NonFiniteLossError(done, batch.task, record["loss"], record["grad_norm"], latest_checkpoint(out_dir))
         records.append(record)
         tic = time.perf_counter()
         if rank0:
@@ -340,31 +423,65 @@ def _init_process_group(backend: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tabfm.pretrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML run config (configs/pretrain/*.yaml); defaults when omitted")
+    parser.add_argument("--config", help="YAML run config (configs/pretrain/*.yaml; required but for "
+                        "--print-config, which shows the defaults without it)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="A.B=C",
                         help="override config fields, e.g. --set optim.lr=3e-4 train.steps=100")
-    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|DIR",
-                        help="continue from the latest checkpoint of train.out_dir (auto) or from DIR")
+    add_run_dir_arguments(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return parser
+
+
+def shipped_configs() -> list[Path]:
+    """The run configs that come with tabfm (configs/pretrain of a checkout, tabfm/configs/pretrain of a wheel)."""
+    from tabfm.model import CONFIG_DIR
+
+    return sorted((CONFIG_DIR.parent / "pretrain").glob("*.yaml"))
+
+
+def load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
+    """The run config of --config and --set; ValueError (one line) when --config is missing or anything is wrong.
+    Without a config file the defaults would start a many-hour run of the small model into runs/default."""
+    if path is None:
+        names = ", ".join(str(p) for p in shipped_configs()) or "configs/pretrain/*.yaml"
+        raise ValueError(f"--config is required: one of the shipped run configs ({names}) or a YAML file of yours")
+    return load_config(path, list(overrides))
+
+
+def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bool) -> None:
+    """Everything checkable before any process group starts (ValueError, one line): the layout against the
+    process count and the model, the device, and what train.out_dir already holds."""
+    check_run_layout(cfg, world_size)
+    _device(cfg)
+    check_out_dir(Path(cfg.train.out_dir), resume, overwrite)
+
+
+def _config_error(message: str) -> int:
+    """One line on stderr, from rank 0 only under torchrun; exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"config error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_run_config(args.config, args.set) if args.config or not args.print_config else load_config()
     except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(str(e))
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # before any process group: a wrong layout is a config error, not a hang or a traceback per rank
-        check_run_layout(cfg, world)
-    except LayoutError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        if args.overwrite and world > 1:
+            raise ValueError("--overwrite under torchrun: clear the run from one process first, e.g. with "
+                             "`tabfm pretrain --nproc N ... --overwrite`, which does so before starting the ranks")
+        check_run(cfg, world, args.resume, args.overwrite)
+    except ValueError as e:
+        return _config_error(str(e))
+    if args.overwrite and (note := clear_run(Path(cfg.train.out_dir))):
+        print(note, file=sys.stderr)
     started = False
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if _device(cfg).type == "cuda" else "gloo"
@@ -374,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = True
     try:
         train(cfg, resume=args.resume)
+    except NonFiniteLossError as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         if started:
             dist.destroy_process_group()

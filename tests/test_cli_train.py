@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from tabfm import cli
+from tabfm import _cli_train, cli
+from tabfm._cli_train import read_metrics
 from tabfm.checkpoint import load_merged
 
-TINY = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
 
 
 def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
@@ -43,3 +51,136 @@ def test_bad_checkpoint_and_run_paths_say_what_is_wrong(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
     assert cli.main(["plot-run", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `tabfm pretrain`: a run folder is resumed, overwritten or refused; mistakes fail in the launcher, in one line
+# ---------------------------------------------------------------------------------------------------------
+
+SMALL = ("train.progress=false", "data.batch_size=2", "data.table.max_rows=40", "train.checkpoint_every=2")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run)[0]]
+
+
+def test_a_second_run_into_the_same_folder_is_refused_resumed_or_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+
+    assert cli.main([*args, "train.steps=2"]) == 2  # README's main job run twice
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0]
+    assert "--resume auto" in err[0] and "train.out_dir=NEW_DIR" in err[0] and "--overwrite" in err[0]
+    assert _snapshot(run) == before  # nothing written, nothing lost
+    for bad in (["--resume", "--overwrite"], ["--resume", str(tmp_path / "nope")]):
+        assert cli.main([*args, "train.steps=2", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("config error: --resume")
+        assert _snapshot(run) == before
+
+    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
+    assert _steps(run) == [1, 2, 3]
+    losses = [r["loss"] for r in read_metrics(run)[0]]
+
+    capsys.readouterr()
+    assert cli.main([*args, "train.steps=2", "--overwrite"]) == 0
+    assert f"--overwrite removed {run / 'metrics.jsonl'}, {run / 'checkpoints'}/ (2 checkpoints)" in \
+        capsys.readouterr().err
+    assert _steps(run) == [1, 2] and [r["loss"] for r in read_metrics(run)[0]] == losses[:2]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002"]
+
+
+def test_pretrain_without_a_config_is_refused_naming_the_shipped_ones(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["pretrain"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--config is required" in err[0]
+    assert all(f"configs/pretrain/{name}.yaml" in err[0] for name in ("tiny", "small", "large"))
+    assert not (tmp_path / "runs").exists()
+
+
+BAD_CONFIGS = {
+    "a misspelled key": (["--set", "parallel.d0=2", "parallel.d1=2", "train.stepz=3"], "unknown config key"),
+    "a wrong file name": (["--config", "configs/pretrain/tiniy.yaml"], "tiniy.yaml does not exist"),
+    "a layout of 4 on 3 processes": (["--nproc", "3", "--set", "parallel.d0=2", "parallel.d1=2"],
+                                     "needs 4 processes but 3 were started"),
+    "a word for a number": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=ten"],
+                            "train.steps must be an integer"),
+}
+
+
+def _pretrain_argv(extra: list[str], run: Path) -> list[str]:
+    """`tabfm pretrain --nproc 4 --config tiny ...` with `extra` taking the place of --nproc/--config/--set."""
+    nproc = extra[extra.index("--nproc") + 1] if "--nproc" in extra else "4"
+    config = extra[extra.index("--config") + 1] if "--config" in extra else str(TINY)
+    sets = extra[extra.index("--set") + 1:] if "--set" in extra else []
+    return ["pretrain", "--nproc", nproc, "--config", config, "--set", f"train.out_dir={run}", *sets]
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_config_errors_under_nproc_stop_before_torchrun(case, tmp_path, capsys, monkeypatch):
+    def no_torchrun(*args, **kwargs):
+        raise AssertionError(f"torchrun was started: {args}")
+
+    monkeypatch.setattr(_cli_train.subprocess, "call", no_torchrun)
+    extra, message = BAD_CONFIGS[case]
+    assert cli.main(_pretrain_argv(extra, tmp_path / "run")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_error_under_nproc_is_one_line_in_seconds(tmp_path):
+    """The real command, in a subprocess: no torchrun, no traceback per rank. (It took 18-38 s and ~55 lines.)"""
+    argv = _pretrain_argv(BAD_CONFIGS["a word for a number"][0], tmp_path / "run")
+    tic = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "tabfm.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seconds = time.perf_counter() - tic
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["config error: train.steps must be an integer, got 'ten'"]
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+    # ~4 s on the idle 2-core machine (torch's import); 15 s at load 17. The lines above are what tells the old
+    # failure from the new one; this bound only catches a launcher that waits for workers again.
+    assert seconds < 60, f"{seconds:.1f} s: the error should come before any worker starts"
+
+
+def test_plot_run_drops_a_torn_last_line_and_names_a_corrupt_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    good = [json.dumps({"step": s, "loss": 1.0 / s, "lr": 1e-3, "task": "classification"}) for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("\n".join(good) + '\n{"step": 4, "lo')  # a write cut short
+    train, _ = read_metrics(run)
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert "line 4 is torn" in capsys.readouterr().err
+    (run / "metrics.jsonl").write_text("\n".join([good[0], "{oops", *good[1:]]) + "\n")
+    assert cli.main(["plot-run", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl line 2 is not a metrics record" in err[0]
+    assert not (run / "curves.png").exists()
+
+
+def test_under_nproc_the_launcher_refuses_or_clears_the_old_run_once(tmp_path, capsys, monkeypatch):
+    """The README main job (--nproc 4, 2x2) rerun: refused before torchrun; with --overwrite the launcher clears the
+    folder itself and the ranks (restarted ones included) are told to resume, never to clear it again."""
+    started = []
+    monkeypatch.setattr(_cli_train.subprocess, "call", lambda cmd, **kwargs: started.append(cmd) or 0)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000010").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    argv = ["pretrain", "--nproc", "4", "--config", str(TINY), "--set", f"train.out_dir={run}", "parallel.d0=2",
+            "parallel.d1=2"]
+    assert cli.main(argv) == 2 and not started
+    assert "already holds a run" in capsys.readouterr().err
+    assert cli.main([*argv, "--overwrite", "--max-restarts", "1"]) == 0
+    assert "--overwrite removed" in capsys.readouterr().err and not any(run.iterdir())
+    (cmd,) = started
+    assert "--overwrite" not in cmd and cmd[-2:] == ["--resume", "auto"]

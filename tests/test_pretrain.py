@@ -28,7 +28,8 @@ from tabfm import checkpoint as ckpt
 from tabfm.config import OptimConfig, RunConfig, dump_config, from_dict, load_config
 from tabfm.model import ModelConfig
 from tabfm.parallel.mesh import LayoutError
-from tabfm.pretrain import FAULT_ENV, FAULT_MARKER, latest_checkpoint, lr_at, main, train
+from tabfm import pretrain
+from tabfm.pretrain import FAULT_ENV, FAULT_MARKER, NonFiniteLossError, latest_checkpoint, lr_at, main, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
@@ -119,6 +120,74 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     ma = load_file(ckpt.merge(tmp_path / "a" / "checkpoints" / "step_0000004", tmp_path / "a.safetensors"))
     mb = load_file(ckpt.merge(latest_checkpoint(tmp_path / "b"), tmp_path / "b.safetensors"))
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_resume_before_the_first_checkpoint_starts_afresh_with_an_empty_log(tmp_path):
+    """A run that crashed before its first checkpoint left metric lines: --resume auto starts at step 0 and the
+    log holds each step once, with the losses of an uninterrupted run."""
+    full = train(tiny_cfg(tmp_path / "a", "train.steps=3"))
+    shutil.rmtree(tmp_path / "a" / "checkpoints")  # as if killed before step 3's (first) save
+    assert [r["step"] for r in read_metrics(tmp_path / "a")[0]] == [1, 2, 3]
+    resumed = train(tiny_cfg(tmp_path / "a", "train.steps=3"), resume="auto")
+    lines, _ = read_metrics(tmp_path / "a")
+    assert [r["step"] for r in lines] == [1, 2, 3] and [r["loss"] for r in lines] == [r["loss"] for r in full]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+def _crashed_at_step_3(tmp_path: Path, tail: str) -> tuple[Path, list[dict]]:
+    """Run a (4 steps, checkpoint every 2); b holds a's step-2 checkpoint and a's log up to step 3 plus `tail`."""
+    full = train(tiny_cfg(tmp_path / "a", "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0"))
+    b = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_0000002", b / "checkpoints" / "step_0000002")
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    (b / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n" + tail)
+    return b, full
+
+
+def test_resume_drops_a_torn_last_metrics_line(tmp_path, capsys):
+    """A full disk or a power cut mid-write leaves half a line (or NUL bytes): dropped with a warning."""
+    b, full = _crashed_at_step_3(tmp_path, '{"step": 4, "loss": 0.6\x00\x00')
+    resumed = train(tiny_cfg(b, "train.steps=4", "train.checkpoint_every=2"), resume="auto")
+    assert "metrics.jsonl line 4 is torn" in capsys.readouterr().err
+    lines, _ = read_metrics(b)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4] and [r["loss"] for r in lines] == [r["loss"] for r in full]
+    assert [r["step"] for r in resumed] == [3, 4]
+
+
+def test_resume_refuses_a_log_corrupt_in_the_middle(tmp_path, capsys):
+    b, _ = _crashed_at_step_3(tmp_path, "")
+    lines = (b / "metrics.jsonl").read_text().splitlines()
+    (b / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    before = (b / "metrics.jsonl").read_bytes()
+    assert main(["--config", str(TINY), "--set", f"train.out_dir={b}", "train.steps=4", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl line 2 is not a metrics record ('garbage')" in err[0]
+    assert (b / "metrics.jsonl").read_bytes() == before and not (b / "config.yaml").exists()
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """Step 3's loss is NaN: nothing after step 2's checkpoint is logged or saved, and main says which step."""
+    real_step, calls = pretrain.train_step, []
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, norm = real_step(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), norm) if len(calls) == 3 else (loss, norm)
+
+    monkeypatch.setattr(pretrain, "train_step", nan_at_step_3)
+    out = tmp_path / "run"
+    argv = ["--config", str(TINY), "--set", f"train.out_dir={out}", "train.steps=4", "train.checkpoint_every=2",
+            "train.keep_checkpoints=0", "train.progress=false", "data.batch_size=2", "data.table.max_rows=40"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: step 3 (")
+    assert "loss nan" in err[0] and f"the last good checkpoint is {out / 'checkpoints' / 'step_0000002'}" in err[0]
+    assert latest_checkpoint(out).name == "step_0000002"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_0000002"]
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
+    calls[:] = [1, 1]  # resumed from step 2: its next step (3) is NaN again, and stops it again
+    with pytest.raises(NonFiniteLossError, match=r"step 3 \((classification|regression) batch\)"):
+        train(tiny_cfg(out, "train.steps=4", "train.checkpoint_every=2"), resume="auto")
 
 
 def test_init_from_weights_starts_a_fresh_run_from_them(tmp_path):
