@@ -8,10 +8,14 @@ before clipping. Rank 0 shows a tqdm bar and appends one JSON line per logged st
 A checkpoint folder is written every `train.checkpoint_every` steps under <out_dir>/checkpoints/, and
 `--resume auto` (the latest one) or `--resume DIR` continues a run exactly: same batches, optimizer state and
 schedule, so the losses are those of an uninterrupted run. That also holds under
-`torchrun --max-restarts N ... --resume auto`: restarted workers continue from the latest checkpoint.
+`torchrun --max-restarts N ... --resume auto`: restarted workers continue from the latest checkpoint. A resume
+keeps the metric lines up to the resumed step (none when there was no checkpoint yet). An out_dir that already
+holds a run (metrics or checkpoints) is refused unless --resume or --overwrite says what to do with it. A NaN or
+infinite loss or gradient norm stops the run before that step is logged or saved (exit status 1).
 
 The layout is checked before any process group is created: dp * d0 * d1 must equal WORLD_SIZE and (d0, d1) must
 divide the model's heads and widths; otherwise main exits with status 2 and lists the layouts that fit.
+`tabfm pretrain --nproc N` runs the same checks (config, layout for N processes, out_dir) before starting torchrun.
 
 With `train.eval_every` > 0 the model is evaluated on a few real tables (tabfm.evaluate) every that many steps and
 at the end; rank 0 appends {"step": s, "eval": {...}} to metrics.jsonl. Evaluation draws no random numbers from
