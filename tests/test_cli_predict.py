@@ -174,3 +174,20 @@ def test_output_is_checked_before_torchrun_starts(tables, capsys):
             "--nproc", "2", "-o", str(tables / "train.csv")]
     assert main(argv) == 2
     assert "is the input table" in capsys.readouterr().err
+
+
+def test_rows_without_a_target_are_left_out_with_a_warning(tables, capsys):
+    text = (tables / "train.csv").read_text().splitlines()
+    header, rows = text[0], text[1:]
+    col = header.split(",").index("label")
+    rows = [",".join("NA" if j == col and i < 4 else v for j, v in enumerate(r.split(","))) for i, r in enumerate(rows)]
+    (tables / "gaps.csv").write_text("\n".join([header, *rows]) + "\n")
+    # The tables are read and checked first: --proba with --task regression then stops the run before any fitting.
+    argv = ["predict", "--train", str(tables / "gaps.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--task", "regression", "--proba"]
+    assert main(argv) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == f"tabfm predict: warning: {tables / 'gaps.csv'}: 4 of 90 rows have no 'label' value; they are " \
+        "left out"
+    assert error == "tabfm predict: error: --proba is for classification; this target is treated as regression " \
+        "(use --task)"

@@ -17,7 +17,8 @@ def _write(path, data: bytes | str):
 
 
 def test_na_tokens_are_missing_and_numeric_columns_stay_numeric(tmp_path):
-    f = _write(tmp_path / "t.csv", "x,colour,y\n1.5,red,1\nNA,NA,2\n?,blue,3\n, N/A ,4\n-,.,5\n 2 ,None,6\nnull,green,7\n")
+    f = _write(tmp_path / "t.csv",
+               "x,colour,y\n1.5,red,1\nNA,NA,2\n?,blue,3\n, N/A ,4\n-,.,5\n 2 ,None,6\nnull,green,7\n")
     df = read_table(f)
     assert df.schema == pl.Schema({"x": pl.Float64, "colour": pl.String, "y": pl.Int64})
     assert df["x"].to_list() == [1.5, None, None, None, None, 2.0, None]
