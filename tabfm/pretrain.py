@@ -454,8 +454,12 @@ def load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
 
 def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bool) -> None:
     """Everything checkable before any process group starts (ValueError, one line): the layout against the
-    process count and the model, the device, and what train.out_dir already holds."""
+    process count and the model, the topology preset of layout auto, the device, and what train.out_dir holds."""
     check_run_layout(cfg, world_size)
+    if cfg.parallel.layout == "auto" and cfg.parallel.topology != "measure":
+        from tabfm.parallel.topology import load_preset
+
+        load_preset(cfg.parallel.topology)  # a misspelled preset: here, not on rank 0 once every rank has started
     _device(cfg)
     check_out_dir(Path(cfg.train.out_dir), resume, overwrite)
 

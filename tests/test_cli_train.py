@@ -114,6 +114,10 @@ BAD_CONFIGS = {
                                      "needs 4 processes but 3 were started"),
     "a word for a number": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=ten"],
                             "train.steps must be an integer"),
+    "a misspelled topology preset": (["--set", "parallel.layout=auto", "parallel.topology=nvswitch9"],
+                                     "unknown topology preset 'nvswitch9'"),
+    "a GPU run without a GPU": (["--set", "parallel.d0=2", "parallel.d1=2", "train.device=cuda"],
+                                "train.device=cuda but no GPU is visible"),
 }
 
 
@@ -130,6 +134,8 @@ def test_config_errors_under_nproc_stop_before_torchrun(case, tmp_path, capsys, 
     def no_torchrun(*args, **kwargs):
         raise AssertionError(f"torchrun was started: {args}")
 
+    if case == "a GPU run without a GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
     monkeypatch.setattr(_cli_train.subprocess, "call", no_torchrun)
     extra, message = BAD_CONFIGS[case]
     assert cli.main(_pretrain_argv(extra, tmp_path / "run")) == 2
