@@ -27,13 +27,15 @@ def add_parser(subparsers) -> None:
     m.add_argument("checkpoint", help="a checkpoint folder (runs/small/checkpoints/step_0000250), or a run's "
                    "out_dir for its latest checkpoint")
     m.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    m.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
     m.set_defaults(run=_merge)
     r = sub.add_parser("reshard", help="re-split a checkpoint for another layout")
     r.add_argument("checkpoint")
     r.add_argument("--layout", type=parse_layout, required=True, help="the new tensor-parallel mesh d0xd1")
     r.add_argument("-o", "--output", required=True, help="the checkpoint folder to write")
+    r.add_argument("--overwrite", action="store_true", help="replace the output folder if it is a checkpoint")
     r.set_defaults(run=_reshard)
-    v = sub.add_parser("verify", help="check a checkpoint's manifest, shapes and checksums")
+    v = sub.add_parser("verify", help="run every check loading runs, plus checksums and finite weights")
     v.add_argument("checkpoint")
     v.set_defaults(run=_verify)
 
@@ -90,12 +92,13 @@ def _fail(message: str) -> int:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, a run's out_dir (its latest checkpoint) or a `checkpoints/latest` pointer file."""
-    from tabfm.pretrain import latest_checkpoint
+    """A checkpoint folder, a run's out_dir (its latest checkpoint) or a `checkpoints/latest` pointer file (which
+    must name a step_<digits> folder beside it)."""
+    from tabfm.checkpoint import latest_checkpoint, read_latest
 
     path = Path(path)
     if path.is_file() and path.name == "latest":
-        return path.parent / path.read_text().strip()
+        return read_latest(path)
     if (path / "checkpoints").is_dir():
         latest = latest_checkpoint(path)
         if latest is None:
@@ -108,7 +111,7 @@ def _merge(args: argparse.Namespace) -> int:
     from tabfm import checkpoint
 
     try:
-        out = checkpoint.merge(resolve_checkpoint(args.checkpoint), args.output)
+        out = checkpoint.merge(resolve_checkpoint(args.checkpoint), args.output, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     print(f"merged {args.checkpoint} -> {out}")
@@ -120,7 +123,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
     d0, d1 = args.layout
     try:
-        out = checkpoint.reshard(resolve_checkpoint(args.checkpoint), d0, d1, args.output)
+        out = checkpoint.reshard(resolve_checkpoint(args.checkpoint), d0, d1, args.output, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
     print(f"resharded {args.checkpoint} to {d0}x{d1} -> {out}")

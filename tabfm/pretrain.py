@@ -164,24 +164,13 @@ def _build_mesh(cfg: RunConfig, device: torch.device) -> TPMesh:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under <out_dir>/checkpoints (None when there is none)."""
-    pointer = Path(out_dir) / "checkpoints" / "latest"
-    if pointer.is_file():
-        path = pointer.parent / pointer.read_text().strip()
-        if (path / ckpt.MANIFEST).is_file():
-            return path
-    found = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step_*") if (p / ckpt.MANIFEST).is_file())
-    return found[-1] if found else None
+    """The newest complete checkpoint under <out_dir>/checkpoints (None when there is none); see
+    checkpoint.latest_checkpoint (a `latest` file naming anything but a step_<digits> folder is refused)."""
+    return ckpt.latest_checkpoint(out_dir)
 
 
 def _after_save(ckpt_root: Path, name: str, keep: int) -> None:
-    tmp = ckpt_root / "latest.tmp"
-    tmp.write_text(name + "\n")
-    tmp.replace(ckpt_root / "latest")
-    if keep:
-        done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    ckpt.mark_latest(ckpt_root, name, keep)  # `latest` -> name, then prune old checkpoints and step_N.tmp leftovers
 
 
 class _NoInit(torch.overrides.TorchFunctionMode):
