@@ -405,6 +405,8 @@ def _check_manifest(m: Any, path: Path) -> None:
     for key in ("data_position", "run_config", "extra"):
         if key in m:
             _field(m, key, _is_dict, "a JSON object", path)
+    if "next_step" in m.get("data_position", {}):  # where a resumed run continues
+        _field(m["data_position"], "next_step", _nonneg_int, "a non-negative integer", path, "data_position.")
     _config_from_dict(_field(m, "model_config", _is_dict, "a JSON object", path), f"{path}: field model_config")
     layout = _field(m, "layout", _is_dict, "a JSON object {d0, d1, dp}", path)
     d0, d1, _ = (_field(layout, k, _pos_int, "a positive integer", path, "layout.") for k in ("d0", "d1", "dp"))

@@ -356,6 +356,8 @@ BAD_MANIFESTS = {
                                          r"model_config: unknown model config keys \['depth'\]"),
     "NaN in the JSON": (_set(lambda m: m["model_config"], bin_range=float("nan")), r"holds the non-number NaN"),
     "step a string": (lambda m: m.update(step="1"), r"field step must be a non-negative integer, got '1'"),
+    "next step negative": (lambda m: m.update(data_position={"next_step": -1}),
+                           r"field data_position.next_step must be a non-negative integer, got -1"),
     "layout of floats": (_set(lambda m: m["layout"], d0=1.0), r"field layout.d0 must be a positive integer, got 1.0"),
     "shape a string": (_set(lambda m: m["tensors"][BIAS], shape="16"),
                        r"field tensors\['model/bin_head.bias'\].shape must be a list of non-negative integers"),
