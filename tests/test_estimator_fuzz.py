@@ -1,0 +1,138 @@
+"""Fuzz TabFMClassifier / TabFMRegressor fit + predict over small odd tables (issue 16).
+
+Each example is a table of 1-30 rows in pandas, polars or numpy, with columns drawn from: floats with NaN, inf and
+huge / tiny magnitudes (1e300, 1e-300), integers, constant, all-missing, duplicated, strings, booleans, pandas
+nullable (Int64, Float64, boolean) and categorical dtypes, datetimes with NaT; labels are ints, strings or booleans
+(regression: floats). The estimator must either refuse it with one ValueError / TypeError line of its own, or
+predict: finite probabilities summing to one and labels among classes_ (regression: finite predictions).
+
+TABFM_FUZZ_EXAMPLES=500 python -m pytest tests/test_estimator_fuzz.py  runs a longer hunt (default 25 examples, the
+same ones every run so CI is reproducible).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pandas as pd
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
+from tabfm.validation import torch_threads
+
+FUZZ = settings(max_examples=int(os.environ.get("TABFM_FUZZ_EXAMPLES", "25")), deadline=None, derandomize=True,
+                database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+ODD_FLOATS = [0.0, 1.0, -1.0, 1e300, -1e300, 1e-300, 5e-324, 1.7e308, np.nan, np.inf]
+INTERNAL = ("not supported between", "ambiguous", "broadcast", "out of bounds", "object is not", "has no attribute",
+            "unhashable", "must be real number", "index ")
+"""Phrases of errors from inside numpy / torch / scikit-learn rather than a message of ours."""
+
+
+@st.composite
+def columns(draw, n: int) -> tuple[str, list]:
+    """(kind, n cells) of one column."""
+    kind = draw(st.sampled_from(["float", "odd_float", "int", "constant", "missing", "string", "bool", "Int64",
+                                 "Float64", "boolean", "category", "datetime"]))
+    cell = {
+        "float": st.floats(-1e6, 1e6) | st.just(np.nan),
+        "odd_float": st.sampled_from(ODD_FLOATS) | st.floats(allow_nan=True, allow_infinity=False),
+        "int": st.integers(-10**12, 10**12),
+        "constant": st.just(7.5),
+        "missing": st.none(),
+        "string": st.sampled_from(["a", "b", "c", "", " ", "é", None]),
+        "bool": st.booleans(),
+        "Int64": st.integers(-1000, 1000) | st.none(),
+        "Float64": st.floats(-1e3, 1e3) | st.none(),
+        "boolean": st.booleans() | st.none(),
+        "category": st.sampled_from(["lo", "hi", None]),
+        "datetime": st.datetimes(min_value=pd.Timestamp("1900-01-01").to_pydatetime(),
+                                 max_value=pd.Timestamp("2200-01-01").to_pydatetime()) | st.none(),
+    }[kind]
+    return kind, draw(st.lists(cell, min_size=n, max_size=n))
+
+
+def _pandas_column(kind: str, cells: list) -> pd.Series:
+    if kind in ("Int64", "Float64", "boolean", "category"):
+        return pd.Series(cells, dtype=kind)
+    if kind == "datetime":
+        return pd.Series(pd.to_datetime(cells))
+    if kind in ("missing", "string"):
+        return pd.Series(cells, dtype=object)
+    return pd.Series(cells)
+
+
+@st.composite
+def tables(draw) -> tuple[object, int]:
+    """(X in pandas, polars or numpy, its row count)."""
+    n = draw(st.integers(1, 30))
+    cols = draw(st.lists(columns(n), min_size=1, max_size=5))
+    if draw(st.booleans()):
+        cols.append(cols[0])  # a duplicated column (under another name)
+    df = pd.DataFrame({f"c{i}_{kind}": _pandas_column(kind, cells) for i, (kind, cells) in enumerate(cols)})
+    library = draw(st.sampled_from(["pandas", "polars", "numpy"]))
+    if library == "polars":
+        return pl.from_pandas(df), n
+    if library == "numpy":
+        return df.astype(object).where(df.notna(), None).to_numpy(), n
+    return df, n
+
+
+def _labels(draw, n: int, task: str) -> np.ndarray:
+    if task == "regression":
+        return np.array(draw(st.lists(st.floats(-1e6, 1e6) | st.sampled_from([0.0, 1e-300, 1e300]),
+                                      min_size=n, max_size=n)))
+    pool = draw(st.sampled_from([[0, 1, 2], ["yes", "no"], [True, False], [10, -3]]))
+    return np.array(draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n)))
+
+
+def _run(X, y, task: str) -> None:
+    """fit + predict, checking the outputs or that a refusal is one line of ours."""
+    est = (TabFMClassifier(n_estimators=1, calibrate=False) if task == "classification"
+           else TabFMRegressor(n_estimators=1))
+    try:
+        with warnings.catch_warnings(), torch_threads(1):  # one thread: 5x faster on a busy 2-core machine
+            warnings.simplefilter("ignore")
+            est.fit(X, y)
+            if task == "classification":
+                proba, pred = est.predict_proba(X), est.predict(X)
+            else:
+                pred = est.predict(X)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        assert message and "\n" not in message.strip(), f"{type(e).__name__} without one clear line: {message!r}"
+        assert not any(p in message for p in INTERNAL), f"an internal error leaked: {type(e).__name__}: {message}"
+        return
+    n = len(y)
+    if task == "classification":
+        assert proba.shape == (n, len(est.classes_)) and np.isfinite(proba).all()
+        np.testing.assert_allclose(proba.sum(1), 1.0, rtol=1e-6)
+        assert set(pred.tolist()) <= set(est.classes_.tolist())
+    else:
+        assert pred.shape == (n,) and np.isfinite(pred).all(), pred
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+@FUZZ
+@given(data=st.data())
+def test_fit_predict_on_odd_tables(task, data):
+    X, n = data.draw(tables())
+    _run(X, _labels(data.draw, n, task), task)
+
+
+@pytest.mark.xfail(strict=True, reason="needs a fix in the numeric transforms: 'none' and 'power' hand values beyond "
+                                       "float32's range (3.4e38) to the float32 model, which makes them inf")
+@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
+def test_huge_magnitudes_predict_finitely(Est):
+    """Found by the fuzz test: a column holding 1.7e308 gave NaN probabilities and predictions."""
+    X = np.zeros((14, 1))
+    X[13, 0] = 1.7e308
+    y = np.array([0] * 13 + [1])
+    est = Est(n_estimators=2).fit(X, y)
+    out = est.predict_proba(X) if Est is TabFMClassifier else est.predict(X)
+    assert np.isfinite(out).all()
