@@ -23,6 +23,8 @@ Two options tune how a layer runs, never what it computes:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,7 @@ from tabfm.parallel.sharding import ShardSpec, shard_tensor
 
 TOKENS = -2  # the token (sequence) dimension of every activation
 HIDDEN = -1
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # activations whose norm statistics are float32 all the same
 
 
 def _local(full: torch.Tensor, spec: ShardSpec, mesh: TPMesh) -> nn.Parameter:
@@ -293,6 +296,9 @@ class ParallelLayerNorm(nn.Module):
         if axis1.size == 1:  # the whole hidden vector is here: PyTorch's fused kernel
             s = x if residual is None else x + residual
             return s, F.layer_norm(s, (self.hidden,), weight, bias, self.eps)
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        if dtype in _LOW_PRECISION:  # bfloat16 activations (autocast): statistics and their all-gather in float32
+            x, residual = x.float(), None if residual is None else residual.float()
         if residual is None:
             s, (mean, m2) = x, ops.norm_stats(x, kernels=self.kernels)        # [B..., S, 1] each, local columns
         else:
@@ -303,7 +309,11 @@ class ParallelLayerNorm(nn.Module):
         mean = means.mean(HIDDEN, keepdim=True)
         m2 = m2s.sum(HIDDEN, keepdim=True) + n_local * (means - mean).square().sum(HIDDEN, keepdim=True)
         rstd = torch.rsqrt(m2 / (n_local * axis1.size) + self.eps)
-        return s, ops.normalize(s, mean, rstd, weight, bias, kernels=self.kernels)
+        y = ops.normalize(s, mean, rstd, weight, bias, kernels=self.kernels)
+        if dtype not in _LOW_PRECISION:
+            return s, y
+        out = functools.reduce(torch.promote_types, [p.dtype for p in (weight, bias) if p is not None], dtype)
+        return s.to(dtype), y.to(out)  # the dtypes of the low-precision computation, float32 statistics inside
 
 
 class VocabEmbedding(nn.Module):

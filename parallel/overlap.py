@@ -290,10 +290,22 @@ class _Pipeline(torch.autograd.Function):
         _wavefront(k, *_schedule(ops, backward=False), step)
         out = layout.join_out(chunks.finish())
         ctx.ops, ctx.layout, ctx.params, ctx.leaves, ctx.saved, ctx.k = ops, layout, params, leaves, saved, k
+        # Backward runs outside autocast; it re-enters the forward's (as torch.amp.custom_bwd does), so its chunk
+        # matmuls take bfloat16 gradients with float32 weights.
+        device = x.device.type
+        on = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if on else None
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.autocast is None:
+            return _Pipeline._backward(ctx, grad)
+        with torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]):
+            return _Pipeline._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         ops, params, saved, leaves = ctx.ops, ctx.params, ctx.saved, ctx.leaves
         need_dx = ctx.needs_input_grad[0]
         need_param = ctx.needs_input_grad[3:]
@@ -308,8 +320,14 @@ class _Pipeline(torch.autograd.Function):
                 grads[i] = g if grads[i] is None else grads[i].add_(g)
 
         def accumulate_mm(i: int, a: torch.Tensor, b: torch.Tensor) -> None:
-            """grads[i] += a @ b, summed inside the matmul (no extra pass over the weight gradient)."""
-            grads[i] = a @ b if grads[i] is None else grads[i].addmm_(a, b)
+            """grads[i] += a @ b, summed inside the matmul (no extra pass over the weight gradient); under autocast
+            the bfloat16 products are summed in the weight's dtype."""
+            if grads[i] is None:
+                grads[i] = (a @ b).to(params[i].dtype)
+            elif grads[i].dtype == a.dtype == b.dtype:
+                grads[i].addmm_(a, b)
+            else:
+                grads[i].add_(a @ b)
 
         def step(s: int, c: int) -> None:
             op = ops[s]

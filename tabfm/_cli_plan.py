@@ -59,7 +59,7 @@ def _source(path: str):
     from tabfm.layout import source_for
 
     cfg = load_config(path)
-    return source_for(cfg), planner.PlanOptions(dtype=cfg.train.dtype)
+    return source_for(cfg), planner.PlanOptions(dtype=cfg.train.compute_dtype)
 
 
 def run(args: argparse.Namespace) -> int:

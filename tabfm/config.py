@@ -7,7 +7,7 @@ valid ones listed; each component is handed only its own section (the model gets
     data:     DataConfig (tabfm.data.config): prior, table sizes, curriculum, batch size
     optim:    OptimConfig: AdamW, warmup + cosine schedule, gradient clipping
     parallel: ParallelConfig: the (d0, d1) tensor-parallel mesh, data-parallel replicas, sequence parallelism
-    train:    TrainConfig: steps, seed, dtype, logging, checkpoints
+    train:    TrainConfig: steps, seed, dtype and precision, logging, checkpoints
 
 Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{type: Uniform, low: 0.1, high: 2}`.
 """
@@ -90,6 +90,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.kernels={self.kernels!r}; use auto, triton or torch")
 
 
+PRECISIONS = ("fp32", "tf32", "bf16")
+"""train.precision choices (see TrainConfig.precision)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The loop: length, seed, precision, logging and checkpoints."""
@@ -99,7 +103,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model's initialisation (data has its own, data.seed)."""
     dtype: str = "float32"
-    """Parameter and compute dtype: float32, float64 or bfloat16."""
+    """Dtype of the parameters (the master weights) and the optimizer state: float32, or float64 for the
+    equivalence tests. Lower-precision compute is `precision`, never lower-precision parameters."""
+    precision: str = "fp32"
+    """Compute precision: fp32; tf32 (float32 with TensorFloat-32 matmuls on CUDA; a no-op on CPU); or bf16
+    (torch.autocast to bfloat16 around forward and loss; parameters, gradients and AdamW state stay float32)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     out_dir: str = "runs/default"
@@ -130,10 +138,23 @@ class TrainConfig:
             raise ValueError("train: need steps >= 1, log_every >= 1, checkpoint_every >= 0, keep_checkpoints >= 0")
         if self.eval_every < 0 or self.eval_max_train_rows < 1:
             raise ValueError("train: need eval_every >= 0 (0 = off) and eval_max_train_rows >= 1")
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"train.dtype={self.dtype!r}; use float32, float64 or bfloat16")
+        if self.dtype == "bfloat16":
+            raise ValueError("train.dtype=bfloat16 is no longer supported (no float32 master weights); use "
+                             "train.dtype: float32 with train.precision: bf16")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"train.dtype={self.dtype!r}; use float32 or float64 (bf16 compute: train.precision)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r}; use {', '.join(PRECISIONS)}")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ValueError(f"train.precision={self.precision} needs train.dtype=float32 (float64 runs use fp32)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}; use auto, cpu or cuda")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype most activations are computed in (what the layout planner counts): bfloat16 under
+        precision bf16, else the parameters' dtype."""
+        return "bfloat16" if self.precision == "bf16" else self.dtype
 
 
 @dataclass(frozen=True)

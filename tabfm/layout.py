@@ -99,7 +99,7 @@ def resolve_layout(cfg, world_size: int, out_dir: Path | None = None):
         from tabfm.parallel import planner
 
         topology = _topology(p.topology, nproc)
-        best, reason = planner.choose_layout(source_for(cfg), topology, nproc, dtype=cfg.train.dtype,
+        best, reason = planner.choose_layout(source_for(cfg), topology, nproc, dtype=cfg.train.compute_dtype,
                                              trace_device="cpu" if nproc == 1 else "meta")
         choice = [(best.d0, best.d1, best.sequence_parallel, best.chunks, reason)]
     if dist.is_initialized() and world_size > 1:

@@ -52,8 +52,10 @@ from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_p
 from tabfm.parallel.comm import all_reduce
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh, factorizations
 from tabfm.parallel.parallelize import check_layout, layout_problems, shard_specs
+from tabfm.precision import autocast, make_optimizer, matmul_precision
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+"""train.dtype -> the parameters' dtype (bf16 compute is train.precision: autocast, float32 master weights)."""
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -101,12 +103,13 @@ def average_over_replicas(model: TabFM, mesh: TPMesh) -> None:
 
 
 def train_step(model: TabFM, optimizer: torch.optim.Optimizer, batch: Batch, mesh: TPMesh, lr: float,
-               cfg: OptimConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step at learning rate `lr`: loss, backward, replica averaging, global-norm clipping, AdamW.
-    Returns (loss, global gradient norm before clipping)."""
+               cfg: OptimConfig, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step at learning rate `lr`: loss (under `precision`'s autocast), backward, replica averaging,
+    global-norm clipping, AdamW. Returns (loss, global gradient norm before clipping)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = model.loss(batch)
+    with autocast(precision, batch.values.device):
+        loss = model.loss(batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     average_over_replicas(model, mesh)
@@ -322,8 +325,7 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     p = cfg.parallel
     model = parallelize_model(model, mesh, p.sequence_parallel, overlap_chunks=p.overlap_chunks, kernels=p.kernels)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay)
+    optimizer = make_optimizer(model, o)  # weight decay on linear weight matrices only
 
     start = 0
     if path is not None:
@@ -356,7 +358,8 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
         _maybe_fault(step, out_dir)
         batch = batch.to(device)
         lr = lr_at(step, o, total)
-        loss, norm = train_step(model, optimizer, batch, mesh, lr, o)
+        with matmul_precision(cfg.train.precision, device):  # TF32 matmuls for precision tf32 on CUDA
+            loss, norm = train_step(model, optimizer, batch, mesh, lr, o, cfg.train.precision)
 
         done = step + 1
         loss_value = loss.detach().double().reshape(1)
