@@ -14,30 +14,20 @@ Costs are in ring traffic: `AxisCost.seconds(traffic)` = alpha + traffic / bandw
 each device sends (CommTally.traffic: 2(n-1)/n of the tensor for an all-reduce, (n-1)/n for the others).
 
 Two sources:
-    preset     a YAML file under configs/topology/ (a machine one may not have), `load_preset(name)`
+    preset     a YAML file under configs/topology/ (a machine one may not have), `load_preset(name)` (here)
     measured   collective microbenchmarks on the real groups of every candidate mesh, all groups of an axis at
                once, fitted by least squares to (alpha, bandwidth) per mesh and axis, cached in a JSON file per
-               machine and world size (`measure`, `load_or_measure`)
+               machine and world size (`measure`, `load_or_measure`: topology_measure.py, importable from here)
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
-import re
-import socket
-import statistics
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-import torch
-
-from tabfm.parallel.mesh import factorizations
 
 GB = 1e9
 AXES = ("tp0", "tp1")
@@ -390,289 +380,6 @@ def load_preset(name: str) -> HierarchicalTopology:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Measured: collective microbenchmarks on the real groups, cached per machine and world size
-# ---------------------------------------------------------------------------------------------------------
-
-def machine_id(backend: str | None = None) -> str:
-    """A stable name for this machine's kind: host, processor or GPU, core count, backend."""
-    if torch.cuda.is_available():
-        what = torch.cuda.get_device_name(0) + f"x{torch.cuda.device_count()}"
-    else:
-        what = _cpu_model() + f"-{os.cpu_count()}cores"
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    raw = f"{socket.gethostname()}-{what}-{backend}"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw)[:120]
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TABFM_CACHE_DIR", Path.home() / ".cache" / "tabfm"))
-
-
-def cache_path(world_size: int, backend: str | None = None) -> Path:
-    return cache_dir() / f"topology-{machine_id(backend)}-n{world_size}.json"
-
-
-def fit_alpha_beta(points: list[tuple[float, float]]) -> AxisCost:
-    """Least-squares fit of seconds = alpha + traffic / bandwidth to (traffic bytes, seconds) points."""
-    if len(points) < 2:
-        raise ValueError("fitting (alpha, bandwidth) needs at least two points")
-    n = len(points)
-    sx = sum(x for x, _ in points)
-    sy = sum(y for _, y in points)
-    sxx = sum(x * x for x, _ in points)
-    sxy = sum(x * y for x, y in points)
-    den = n * sxx - sx * sx
-    slope = (n * sxy - sx * sy) / den if den else 0.0
-    alpha = (sy - slope * sx) / n
-    if alpha < 0:  # refit through the origin
-        alpha, slope = 0.0, sxy / sxx
-    if slope <= 0:  # no measurable bandwidth cost: all latency
-        return AxisCost(statistics.mean(y for _, y in points), math.inf, "measured")
-    return AxisCost(alpha, 1.0 / slope, "measured")
-
-
-def default_sizes(device_type: str) -> tuple[int, ...]:
-    """Full-tensor message sizes (bytes) for the microbenchmarks."""
-    if device_type == "cuda":
-        return (1 << 16, 1 << 20, 1 << 23, 1 << 26)
-    return (1 << 14, 1 << 17, 1 << 20, 1 << 22)
-
-
-def measure_axes(mesh_for, world_size: int, sizes: tuple[int, ...], repeats: int = 7,
-                 device: str = "cpu") -> dict[str, dict[str, dict]]:
-    """Run on every rank: time all-reduce / all-gather / reduce-scatter on each axis of each mesh (all groups of
-    an axis at once) and fit (alpha, bandwidth). `mesh_for(d0, d1)` returns this rank's TPMesh. Every rank
-    returns the same result (timings are the max over ranks)."""
-    import torch.distributed as dist
-
-    from tabfm.parallel import comm
-
-    out: dict[str, dict[str, dict]] = {}
-    for d0, d1 in factorizations(world_size):
-        mesh = mesh_for(d0, d1)
-        out[f"{d0}x{d1}"] = {}
-        for name in AXES:
-            axis = mesh.axis(name)
-            if axis.size == 1:
-                continue
-            points, per_kind = [], defaultdict(list)
-            for nbytes in sizes:
-                numel = max(axis.size, nbytes // 4 // axis.size * axis.size)
-                x = torch.randn(numel, device=device)
-                for kind, fn in ((comm.ALL_REDUCE, lambda t: comm.all_reduce(t, axis)),
-                                 (comm.ALL_GATHER, lambda t: comm.all_gather(t[: numel // axis.size], 0, axis)),
-                                 (comm.REDUCE_SCATTER, lambda t: comm.reduce_scatter(t, 0, axis))):
-                    times = []
-                    fn(x)
-                    dist.barrier()
-                    for _ in range(repeats):
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        fn(x)
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - t0)
-                    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    factor = 2 * (axis.size - 1) / axis.size if kind == comm.ALL_REDUCE else (axis.size - 1) / axis.size
-                    points.append((factor * numel * 4, float(t)))
-                    per_kind[kind].append(points[-1])
-            axis.tally.reset()
-            fit = fit_alpha_beta(points)
-            kinds = {k: asdict(fit_alpha_beta(p)) for k, p in per_kind.items()}
-            out[f"{d0}x{d1}"][name] = {"alpha": fit.alpha, "bandwidth": fit.bandwidth, "kinds": kinds,
-                                       "points": points}
-    return out
-
-
-def measure_slowdown(repeats: int = 5) -> float:
-    """Run on every rank at once: how many wall seconds a CPU second of model compute takes while every rank
-    computes together. The planner times ops in CPU seconds (thread time, one op alone); this converts them to
-    step time on a machine whose cores the ranks share, cache interference and any other load included.
-
-    Workload: forward + backward of one plain transformer block (the op mix of the layers). Each rank first
-    times it alone (CPU time, the others waiting), then all run it at once (wall time). Every rank returns the
-    same number (the mean over ranks of wall together / CPU alone)."""
-    import torch.distributed as dist
-
-    from tabfm.parallel import dense
-
-    torch.manual_seed(0)
-    block = dense.Block(256, 8)
-    x = torch.randn(4, 128, 256, requires_grad=True)
-
-    def work():
-        y = block(x)
-        y.backward(torch.ones_like(y))
-
-    work()
-    alone = math.inf
-    for r in range(dist.get_world_size()):
-        dist.barrier()
-        if r == dist.get_rank():
-            for _ in range(repeats):
-                c0 = time.thread_time()
-                work()
-                alone = min(alone, time.thread_time() - c0)
-    dist.barrier()
-    w0 = time.perf_counter()
-    for _ in range(repeats):
-        work()
-    together = (time.perf_counter() - w0) / repeats
-    t = torch.tensor([together / alone], dtype=torch.float64)
-    dist.all_reduce(t)
-    return max(1.0, float(t) / dist.get_world_size())
-
-
-def write_measured(path: Path, world_size: int, backend: str, axes: dict, slowdown: float, device: str) -> None:
-    """Write the measured cache (atomically) with this machine's compute rates and memory."""
-    rates = _local_rates(device)
-    data = {
-        "machine": machine_id(backend), "world_size": world_size, "backend": backend, "device": device,
-        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "slowdown": slowdown,
-        "compute": {"matmul_flops": rates[0], "memory_bandwidth": rates[1]},
-        "memory_bytes": _local_memory(device, world_size), "axes": axes,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
-def _local_rates(device: str) -> tuple[float, float]:
-    """(matmul FLOP/s, elementwise bytes/s) of one process on this machine (fallbacks for ops not replayed)."""
-    n = 1024 if device == "cuda" else 512
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    x, y = torch.randn(1 << 22, device=device), torch.randn(1 << 22, device=device)
-
-    def rate(fn, work: float) -> float:
-        fn()
-        best = math.inf
-        for _ in range(5):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return work / best
-
-    return rate(lambda: a @ b, 2 * n ** 3), rate(lambda: x * y, 3 * 4 * x.numel())
-
-
-def _local_memory(device: str, world_size: int) -> float:
-    if device == "cuda":
-        return float(torch.cuda.get_device_properties(0).total_memory)
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return pages * size / world_size
-    except (ValueError, OSError):
-        return 8 * GB
-
-
-def read_measured(path: Path) -> MeasuredTopology:
-    data = json.loads(Path(path).read_text())
-    what = f"measured {data['backend']}"
-    axes = {mesh: {a: AxisCost(v["alpha"], v["bandwidth"], what) for a, v in per.items()}
-            for mesh, per in data["axes"].items()}
-    kinds = {mesh: {a: {k: AxisCost(c["alpha"], c["bandwidth"], f"{what} {k}") for k, c in v.get("kinds", {}).items()}
-                    for a, v in per.items()} for mesh, per in data["axes"].items()}
-    device = data.get("device", "cpu")
-    compute = ComputeRates(matmul_flops=data["compute"]["matmul_flops"],
-                           memory_bandwidth=data["compute"]["memory_bandwidth"],
-                           op_overhead=0.0, slowdown=data.get("slowdown", 1.0), replay=True, device=device)
-    return MeasuredTopology(
-        name=f"measured:{data['machine']}", devices=int(data["world_size"]), compute=compute,
-        memory_bytes=float(data["memory_bytes"]), overlap=device == "cuda",
-        dtype="bfloat16" if device == "cuda" else "float32",
-        description=f"measured {data['backend']} collectives on {data['machine']} ({data['measured_at']})",
-        axes=axes, kinds=kinds, path=str(path),
-    )
-
-
-def _measure_worker(rank: int, world_size: int, port: int, path: str, backend: str, device: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        run_measurement(Path(path), world_size, backend, device)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_measurement(path: Path, world_size: int, backend: str, device: str,
-                    mesh_for=None, sizes: tuple[int, ...] | None = None) -> None:
-    """Run on every rank of an initialised process group: measure and (rank 0) write the cache file."""
-    import torch.distributed as dist
-
-    from tabfm.parallel.mesh import ParallelDims
-
-    meshes = {}
-
-    def default_mesh_for(d0: int, d1: int):
-        if (d0, d1) not in meshes:
-            meshes[(d0, d1)] = ParallelDims(d0=d0, d1=d1).build(device)
-        return meshes[(d0, d1)]
-
-    axes = measure_axes(mesh_for or default_mesh_for, world_size, sizes or default_sizes(device), device=device)
-    slowdown = measure_slowdown() if device == "cpu" else 1.0
-    if dist.get_rank() == 0:
-        write_measured(path, world_size, backend, axes, slowdown, device)
-    dist.barrier()
-
-
-def load_or_measure(nproc: int, path: str | Path | None = None, refresh: bool = False) -> MeasuredTopology:
-    """This machine's measured topology for `nproc` ranks: from the cache, or measured now (once).
-
-    Inside a running process group of `nproc` ranks every rank measures together; otherwise `nproc` local
-    processes are spawned (NCCL, one GPU each, when there are enough GPUs; gloo on CPU otherwise).
-    """
-    import torch.distributed as dist
-
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
-    backend, device = ("nccl", "cuda") if use_cuda else ("gloo", "cpu")
-    path = Path(path) if path else cache_path(nproc, backend)
-    if path.is_file() and not refresh:
-        return read_measured(path)
-    if nproc == 1:
-        write_measured(path, 1, backend, {"1x1": {}}, 1.0, device)
-        return read_measured(path)
-    if dist.is_initialized():
-        if dist.get_world_size() != nproc:
-            raise ValueError(f"measuring {nproc} ranks inside a process group of {dist.get_world_size()}; "
-                             f"launch with --nproc-per-node {nproc}")
-        run_measurement(path, nproc, backend, device)
-    else:
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_measure_worker, args=(nproc, port, str(path), backend, device), nprocs=nproc,
-                           start_method="spawn")
-    return read_measured(path)
-
-
 def describe(topology: Topology, d0: int, d1: int) -> str:
     """One line per axis: what the planner assumes a collective costs there."""
     parts = []
@@ -685,16 +392,26 @@ def describe(topology: Topology, d0: int, d1: int) -> str:
     return "; ".join(parts) or "no communication"
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node N -m tabfm.parallel.topology
-    import torch.distributed as dist
+# ---------------------------------------------------------------------------------------------------------
+# Measured: collective microbenchmarks on the real groups (topology_measure.py), importable from here
+# ---------------------------------------------------------------------------------------------------------
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    world = dist.get_world_size()
-    target = cache_path(world, backend)
-    run_measurement(target, world, backend, "cuda" if backend == "nccl" else "cpu")
-    if dist.get_rank() == 0:
-        print(f"wrote {target}")
-    dist.destroy_process_group()
+_MEASURE_NAMES = ("machine_id", "cache_dir", "cache_path", "fit_alpha_beta", "default_sizes", "measure_axes",
+                  "measure_slowdown", "write_measured", "read_measured", "run_measurement", "load_or_measure")
+
+
+def __getattr__(name: str):
+    """The measuring functions live in topology_measure.py, which builds on this module; they are importable from
+    here too (`from tabfm.parallel.topology import load_or_measure`), loaded on first use to avoid an import
+    cycle."""
+    if name in _MEASURE_NAMES:
+        from tabfm.parallel import topology_measure
+
+        return getattr(topology_measure, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m tabfm.parallel.topology (as before the split)
+    from tabfm.parallel.topology_measure import main
+
+    raise SystemExit(main())
