@@ -10,24 +10,34 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import subprocess
 import sys
+from typing import NamedTuple
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    """'2x2' -> (2, 2)."""
+class Layout(NamedTuple):
+    """A tensor-parallel mesh d0 x d1 given on the command line; str() is its command-line form, so the launcher
+    can hand it on to the ranks (tabfm.launch.worker_argv)."""
+
+    d0: int
+    d1: int
+
+    def __str__(self) -> str:
+        return f"{self.d0}x{self.d1}"
+
+
+def parse_layout(text: str) -> Layout:
+    """'2x2' -> Layout(2, 2), equal to the tuple (2, 2)."""
     try:
         d0, d1 = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"layout must look like 2x2 (d0 x d1), got {text!r}") from None
     if d0 < 1 or d1 < 1:
         raise argparse.ArgumentTypeError(f"layout degrees must be positive, got {text!r}")
-    return d0, d1
+    return Layout(d0, d1)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", type=parse_layout, default=(2, 2),
+    parser.add_argument("--layout", type=parse_layout, default=Layout(2, 2),
                         help="tensor-parallel mesh d0xd1: d0 ranks on axis 0 times d1 on axis 1 (default: 2x2)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="shard the tokens over axis 0 too (default: tokens whole on every rank)")
@@ -47,20 +57,23 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=launch)
 
 
+def worker_parser() -> argparse.ArgumentParser:
+    """The parser each rank reads its arguments with (the demo's options less --nproc)."""
+    parser = argparse.ArgumentParser(prog="python -m tabfm._cli_demo")
+    _arguments(parser)
+    return parser
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run this module under torchrun with the same arguments."""
+    from tabfm.launch import run_torchrun, worker_argv
+
     d0, d1 = args.layout
     nproc = args.nproc or d0 * d1
     if nproc != d0 * d1:
         print(f"error: layout {d0}x{d1} needs {d0 * d1} processes, not --nproc {nproc}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", __name__,
-           "--layout", f"{d0}x{d1}", "--steps", str(args.steps), "--depth", str(args.depth),
-           "--hidden", str(args.hidden), "--heads", str(args.heads), "--tokens", str(args.tokens)]
-    if args.sequence_parallel:
-        cmd.append("--sequence-parallel")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    return run_torchrun(__name__, worker_argv(worker_parser(), args), nproc)
 
 
 def _train(model, mesh, sp: bool, steps: int, tokens: int, hidden: int) -> list[float]:
@@ -83,45 +96,46 @@ def _train(model, mesh, sp: bool, steps: int, tokens: int, hidden: int) -> list[
     return losses
 
 
+def _report(losses: list[float], reference: list[float], mesh, args: argparse.Namespace) -> None:
+    """Both loss curves at three steps, their largest relative difference, and each axis's collectives."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    print(f"layout {mesh}, sequence parallel {args.sequence_parallel}, {args.steps} AdamW steps")
+    print(f"{'step':>5} {'loss (ATP)':>12} {'loss (1 proc)':>14}")
+    for step in sorted({0, args.steps // 2, args.steps - 1}):
+        print(f"{step:>5} {losses[step]:>12.6f} {reference[step]:>14.6f}")
+    print(f"largest relative difference: {worst:.2e}")
+    for name in ("tp0", "tp1"):
+        tally = mesh.axis(name).tally
+        calls = {k: v // args.steps for k, v in tally.calls.items()}
+        mb = float(tally.total_traffic) / args.steps / 2**20
+        print(f"axis {name}: per step {calls or 'no collectives'}, ring traffic {mb:.3f} MiB per device")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of each rank (and of one process): train on the mesh; rank 0 compares with one process."""
     import torch
     import torch.distributed as dist
 
     from tabfm.parallel import dense
     from tabfm.parallel.mesh import ParallelDims, TPMesh
     from tabfm.parallel.parallelize import block_plan, check_layout, parallelize
+    from tabfm.parallel.process_group import process_group, world_size_from_env
 
-    parser = argparse.ArgumentParser(prog="python -m tabfm._cli_demo")
-    _arguments(parser)
-    args = parser.parse_args(argv)
+    args = worker_parser().parse_args(argv)
     d0, d1 = args.layout
     torch.manual_seed(0)
     plain = torch.nn.Sequential(dense.BlockStack(args.depth, args.hidden, args.heads))
     # Refuse a bad layout before any process group starts.
     check_layout(plain, block_plan("0"), d0, d1)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_from_env()
     ParallelDims(d0, d1).check_world_size(world)
-    if world > 1:
-        dist.init_process_group("gloo")
-    mesh = ParallelDims(d0, d1).build("cpu") if world > 1 else TPMesh.single()
-    model = parallelize(copy.deepcopy(plain), mesh, block_plan("0"), sequence_parallel=args.sequence_parallel)
-    losses = _train(model[0], mesh, args.sequence_parallel, args.steps, args.tokens, args.hidden)
-    rank = dist.get_rank() if world > 1 else 0
-    if rank == 0:
-        per_step = {name: mesh.axis(name).tally for name in ("tp0", "tp1")}
-        reference = _train(plain[0], TPMesh.single(), False, args.steps, args.tokens, args.hidden)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        print(f"layout {mesh}, sequence parallel {args.sequence_parallel}, {args.steps} AdamW steps")
-        print(f"{'step':>5} {'loss (ATP)':>12} {'loss (1 proc)':>14}")
-        for step in sorted({0, args.steps // 2, args.steps - 1}):
-            print(f"{step:>5} {losses[step]:>12.6f} {reference[step]:>14.6f}")
-        print(f"largest relative difference: {worst:.2e}")
-        for name, tally in per_step.items():
-            calls = {k: v // args.steps for k, v in tally.calls.items()}
-            mb = float(tally.total_traffic) / args.steps / 2**20
-            print(f"axis {name}: per step {calls or 'no collectives'}, ring traffic {mb:.3f} MiB per device")
-    if world > 1:
-        dist.destroy_process_group()
+    with process_group("cpu"):
+        mesh = ParallelDims(d0, d1).build("cpu") if world > 1 else TPMesh.single()
+        model = parallelize(copy.deepcopy(plain), mesh, block_plan("0"), sequence_parallel=args.sequence_parallel)
+        losses = _train(model[0], mesh, args.sequence_parallel, args.steps, args.tokens, args.hidden)
+        if world == 1 or dist.get_rank() == 0:
+            reference = _train(plain[0], TPMesh.single(), False, args.steps, args.tokens, args.hidden)
+            _report(losses, reference, mesh, args)
     return 0
 
 

@@ -12,8 +12,6 @@ predictions, which equal the one-process ones.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -177,6 +175,7 @@ def _fail(message: str) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     from tabfm import table_io
+    from tabfm.launch import run_torchrun, worker_argv
 
     for flag, value in (("--nproc", args.nproc), ("--n-estimators", args.n_estimators),
                         ("--batch-size", args.batch_size)):
@@ -190,49 +189,31 @@ def _predict(args: argparse.Namespace) -> int:
             return run_prediction(args)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m",
-           "tabfm._cli_predict", *sys_argv_tail(args)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    # --nproc stays with the launcher: each rank takes its share from torchrun's environment.
+    return run_torchrun(__name__, worker_argv(worker_parser(), args, skip=("nproc",)), args.nproc)
 
 
-def sys_argv_tail(args: argparse.Namespace) -> list[str]:
-    """The arguments again, for the torchrun workers."""
-    out = ["--train", args.train, "--target", args.target, "--test", args.test, "--task", args.task,
-           "--n-estimators", str(args.n_estimators), "--batch-size", str(args.batch_size), "--device", args.device,
-           "--dtype", args.dtype]  # no --nproc: torchrun would take it for its own --nproc-per-node
-    for flag, value in (("--output", args.output), ("--checkpoint", args.checkpoint),
-                        ("--categorical", args.categorical), ("--na-values", args.na_values)):
-        if value:
-            out += [flag, value]
-    if args.layout is not None:
-        out += ["--layout", f"{args.layout[0]}x{args.layout[1]}"]
-    for flag in ("proba", "no_sequence_parallel", "no_default_na", "quiet"):
-        if getattr(args, flag):
-            out.append("--" + flag.replace("_", "-"))
-    return out
+def worker_parser() -> argparse.ArgumentParser:
+    """The parser each torchrun rank reads its arguments with: the same options as `tabfm predict`."""
+    parser = argparse.ArgumentParser(prog="tabfm predict (worker)")
+    _add_arguments(parser)
+    return parser
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of each torchrun process: join the process group, predict, leave."""
-    import torch
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser(prog="tabfm predict (worker)")
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    backend = "nccl" if args.device != "cpu" and torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-    try:
-        return run_prediction(args)
-    except (ValueError, TypeError) as e:
-        if dist.get_rank() == 0:
-            _fail(str(e))
-        return 2
-    finally:
-        dist.destroy_process_group()
+    from tabfm.parallel.process_group import process_group
+
+    args = worker_parser().parse_args(argv)
+    with process_group(args.device):
+        try:
+            return run_prediction(args)
+        except (ValueError, TypeError) as e:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                _fail(str(e))
+            return 2
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,6 +60,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     """Check the whole run in this process (config, layout for --nproc, out_dir), then train here or under
     torchrun: a mistake is one line in a few seconds, not a traceback per rank after the workers start."""
     from tabfm import pretrain
+    from tabfm.launch import run_torchrun, worker_argv
 
     if args.nproc < 1 or args.max_restarts < 0:
         return _fail("--nproc must be at least 1 and --max-restarts at least 0")
@@ -71,19 +70,15 @@ def _pretrain(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    forwarded = ["--config", args.config] + (["--set", *args.set] if args.set else [])
-    if args.resume is not None:
-        forwarded += ["--resume", args.resume]
+    worker = pretrain.build_parser()
     if args.nproc == 1 and args.max_restarts == 0:
-        return pretrain.main(forwarded + (["--overwrite"] if args.overwrite else []))
+        return pretrain.main(worker_argv(worker, args))
     if args.overwrite and (note := pretrain.clear_run(Path(cfg.train.out_dir))):
         print(note, file=sys.stderr)  # here, once: the ranks (and restarted ones) must not clear it again
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--max-restarts", str(args.max_restarts), "-m", "tabfm.pretrain", *forwarded]
-    if args.max_restarts and args.resume is None:
-        cmd += ["--resume", "auto"]  # a restarted rank must continue from the last checkpoint
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    # A restarted rank must continue from the last checkpoint.
+    resume = args.resume if args.resume is not None or not args.max_restarts else "auto"
+    ranks = argparse.Namespace(**{**vars(args), "overwrite": False, "resume": resume})
+    return run_torchrun("tabfm.pretrain", worker_argv(worker, ranks), args.nproc, args.max_restarts)
 
 
 def _fail(message: str) -> int:

@@ -5,11 +5,17 @@
 `resolve_layout` runs the planner for a run configured with `parallel.layout: auto`: every rank of the world
 takes part in measuring the links (when the topology is `measure`), rank 0 ranks the layouts, and all ranks
 adopt its choice, so they agree even though timings differ from process to process.
+
+`fitting_layouts(model_cfg, world_size)` answers "which layouts fit this model on N processes" (heads and widths
+divisible, parallelize.layout_problems), and `check_layout` refuses one that doesn't, listing those that do: the
+launcher's checks, `layout: auto` and the planner's shape checks (TabFMSource.layout_problems) all ask here, of one
+uninitialised model per config (`shape_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +24,52 @@ import torch
 import torch.distributed as dist
 
 from tabfm.data.encode import Batch
-from tabfm.model import ModelConfig, TabFM, parallelize_model, tp_plan
-from tabfm.parallel.mesh import TPMesh
-from tabfm.parallel.parallelize import layout_problems
+from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
+from tabfm.parallel import parallelize
+from tabfm.parallel.mesh import ParallelDims, TPMesh
+
+
+class _NoInit(torch.overrides.TorchFunctionMode):
+    """Skips initialisation (torch.nn.init.*, normal_, uniform_, randn): the parameters stay torch.empty, whose
+    pages are never touched. On the meta device the same model would run Python reference kernels that import
+    torch._dynamo: seconds (13 s on a loaded 2-core machine) in a launcher that only checks a layout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" or func in (torch.Tensor.normal_,
+                                                                            torch.Tensor.uniform_):
+            return args[0] if args else kwargs["tensor"]
+        if func is torch.randn:
+            return torch.empty(*args, **{k: v for k, v in kwargs.items() if k != "generator"})
+        return func(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=2)
+def shape_model(model_cfg: ModelConfig) -> TabFM:
+    """The model for its names and shapes only: uninitialised, on the CPU, costing neither memory nor time. Cached
+    per config (the planner asks about every layout of every process count); read it, never train it."""
+    with torch.device("cpu"), _NoInit():
+        return build_model(model_cfg)
+
+
+def layout_problems(model_cfg: ModelConfig, d0: int, d1: int) -> list[str]:
+    """Everything that stops the model from running on a (d0, d1) tensor-parallel mesh (empty when it can)."""
+    model = shape_model(model_cfg)
+    return parallelize.layout_problems(model, tp_plan(model), d0, d1)
+
+
+def fitting_layouts(model_cfg: ModelConfig, world_size: int) -> list[ParallelDims]:
+    """Every dp x d0 x d1 layout of `world_size` processes whose tensor-parallel mesh fits the model's shapes."""
+    model = shape_model(model_cfg)
+    plan = tp_plan(model)
+    return [ParallelDims(d0, d1, dp) for dp in range(1, world_size + 1) if world_size % dp == 0
+            for d0, d1 in parallelize.valid_layouts(model, plan, world_size // dp)]
+
+
+def check_layout(model_cfg: ModelConfig, d0: int, d1: int) -> None:
+    """Raise LayoutError, listing the (d0, d1) of the same size that fit, when (d0, d1) doesn't fit the model."""
+    model = shape_model(model_cfg)
+    parallelize.check_layout(model, tp_plan(model), d0, d1)
 
 
 @dataclass(frozen=True)
@@ -58,12 +107,11 @@ class TabFMSource:
         return batch, n_train
 
     def layout_problems(self, d0: int, d1: int) -> list[str]:
-        with torch.device("meta"):
-            model = TabFM(self.model)
-        return layout_problems(model, tp_plan(model), d0, d1)
+        """Why the model's shapes don't fit a (d0, d1) mesh (the planner's shape check)."""
+        return layout_problems(self.model, d0, d1)
 
     def describe(self) -> str:
-        params = sum(p.numel() for p in TabFM(self.model).parameters())
+        params = sum(p.numel() for p in shape_model(self.model).parameters())
         return (f"TabFM {params / 1e6:.2f}M parameters (E={self.model.embed_dim}, D={self.model.icl_dim}); "
                 f"batch {self.batch} tables x {self.rows} rows x {self.features} features")
 

@@ -33,7 +33,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +46,12 @@ from tabfm.config import OptimConfig, RunConfig, dump_config, load_config
 from tabfm.data.encode import Batch
 from tabfm.data.loader import make_loader
 from tabfm.evaluate import evaluate, load_tables
-from tabfm.layout import resolve_layout
-from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
+from tabfm.layout import check_layout, fitting_layouts, resolve_layout
+from tabfm.model import TabFM, build_model, parallelize_model
 from tabfm.parallel.comm import all_reduce
-from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh, factorizations
-from tabfm.parallel.parallelize import check_layout, layout_problems, shard_specs
+from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
+from tabfm.parallel.parallelize import shard_specs
+from tabfm.parallel.process_group import process_group
 from tabfm.precision import autocast, make_optimizer, matmul_precision
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -176,39 +176,6 @@ def _after_save(ckpt_root: Path, name: str, keep: int) -> None:
     ckpt.mark_latest(ckpt_root, name, keep)  # `latest` -> name, then prune old checkpoints and step_N.tmp leftovers
 
 
-class _NoInit(torch.overrides.TorchFunctionMode):
-    """Skips initialisation (torch.nn.init.*, normal_, uniform_, randn): the parameters stay torch.empty, whose
-    pages are never touched. On the meta device the same model would run Python reference kernels that import
-    torch._dynamo: seconds (13 s on a loaded 2-core machine) in a launcher that only checks a layout."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init" or func in (torch.Tensor.normal_,
-                                                                            torch.Tensor.uniform_):
-            return args[0] if args else kwargs["tensor"]
-        if func is torch.randn:
-            return torch.empty(*args, **{k: v for k, v in kwargs.items() if k != "generator"})
-        return func(*args, **kwargs)
-
-
-def _shape_model(model_cfg: ModelConfig) -> TabFM:
-    """The model for its shapes only: uninitialised, on the CPU, costing neither memory nor time."""
-    with torch.device("cpu"), _NoInit():
-        return TabFM(model_cfg)
-
-
-def fitting_layouts(model_cfg: ModelConfig, world_size: int) -> list[ParallelDims]:
-    """Every dp x d0 x d1 layout of `world_size` processes whose tensor-parallel mesh fits the model's shapes."""
-    model = _shape_model(model_cfg)
-    plan = tp_plan(model)
-    out = []
-    for dp in range(1, world_size + 1):
-        if world_size % dp == 0:
-            out += [ParallelDims(d0, d1, dp) for d0, d1 in factorizations(world_size // dp)
-                    if not layout_problems(model, plan, d0, d1)]
-    return out
-
-
 def check_run_layout(cfg: RunConfig, world_size: int) -> None:
     """Raise LayoutError (listing the layouts that fit) when the configured layout can't run on `world_size`
     processes or doesn't divide the model's heads and widths. Needs no process group."""
@@ -225,9 +192,8 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
             raise LayoutError(f"layout auto: no tensor-parallel layout of {world_size // p.dp} ranks fits the "
                               f"model{hint}")
         return
-    model = _shape_model(cfg.model)
     try:
-        check_layout(model, tp_plan(model), p.d0, p.d1)
+        check_layout(cfg.model, p.d0, p.d1)
     except LayoutError as e:
         raise LayoutError(f"{e}{hint}") from None
 
@@ -402,20 +368,6 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None)
     return records
 
 
-def _init_process_group(backend: str) -> None:
-    """init_process_group from torchrun's environment. Under torchrun's agent store, each restart attempt gets
-    keys of its own: the agent keeps one store across `--max-restarts` attempts, and a restarted rank could
-    otherwise read the address a dead worker of the previous attempt published (and fail to connect to it)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(minutes=10))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"tabfm/attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tabfm.pretrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -482,22 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config_error(str(e))
     if args.overwrite and (note := clear_run(Path(cfg.train.out_dir))):
         print(note, file=sys.stderr)
-    started = False
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if _device(cfg).type == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        _init_process_group(backend)
-        started = True
-    try:
-        train(cfg, resume=args.resume)
-    except NonFiniteLossError as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if started:
-            dist.destroy_process_group()
+    with process_group(_device(cfg)):  # torchrun's ranks join it (tabfm.parallel.process_group); one process not
+        try:
+            train(cfg, resume=args.resume)
+        except NonFiniteLossError as e:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"error: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

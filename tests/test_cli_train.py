@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tabfm import _cli_train, cli
+from tabfm import cli, launch, pretrain
 from tabfm._cli_train import read_metrics
 from tabfm.checkpoint import load_merged
 
@@ -136,7 +136,7 @@ def test_config_errors_under_nproc_stop_before_torchrun(case, tmp_path, capsys, 
 
     if case == "a GPU run without a GPU" and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    monkeypatch.setattr(_cli_train.subprocess, "call", no_torchrun)
+    monkeypatch.setattr(launch, "run_command", no_torchrun)
     extra, message = BAD_CONFIGS[case]
     assert cli.main(_pretrain_argv(extra, tmp_path / "run")) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -178,7 +178,7 @@ def test_under_nproc_the_launcher_refuses_or_clears_the_old_run_once(tmp_path, c
     """The README main job (--nproc 4, 2x2) rerun: refused before torchrun; with --overwrite the launcher clears the
     folder itself and the ranks (restarted ones included) are told to resume, never to clear it again."""
     started = []
-    monkeypatch.setattr(_cli_train.subprocess, "call", lambda cmd, **kwargs: started.append(cmd) or 0)
+    monkeypatch.setattr(launch, "run_command", lambda cmd, env: started.append(cmd) or 0)
     run = tmp_path / "run"
     (run / "checkpoints" / "step_0000010").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
@@ -189,4 +189,7 @@ def test_under_nproc_the_launcher_refuses_or_clears_the_old_run_once(tmp_path, c
     assert cli.main([*argv, "--overwrite", "--max-restarts", "1"]) == 0
     assert "--overwrite removed" in capsys.readouterr().err and not any(run.iterdir())
     (cmd,) = started
-    assert "--overwrite" not in cmd and cmd[-2:] == ["--resume", "auto"]
+    ranks = pretrain.build_parser().parse_args(cmd[cmd.index("tabfm.pretrain") + 1:])
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--max-restarts") + 1] == "1"
+    assert not ranks.overwrite and ranks.resume == "auto"
+    assert ranks.config == str(TINY) and ranks.set == [f"train.out_dir={run}", "parallel.d0=2", "parallel.d1=2"]

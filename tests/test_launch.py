@@ -1,0 +1,82 @@
+"""tabfm.launch (the torchrun command of `--nproc N`) and tabfm.parallel.process_group (how a rank joins): what the
+ranks parse is what the launcher checked, exit codes come through, and a process group is joined and left once."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from tabfm import _cli_demo, _cli_predict, cli, launch
+from tabfm.parallel.process_group import backend_for, init_process_group, process_group
+
+
+def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    return parser.parse_args(argv)
+
+
+def test_predict_arguments_reach_the_ranks_unchanged():
+    """Values that look like options (-o -, NA tokens starting with '-'), a layout, flags; --nproc stays behind."""
+    argv = ["--train", "a.csv", "--target", "y", "--test=-b.csv", "-o", "-", "--na-values=-,?", "--proba",
+            "--layout", "1x2", "--nproc", "2", "--n-estimators", "3", "--no-sequence-parallel"]
+    args = _parsed(_cli_predict.worker_parser(), argv)
+    tail = launch.worker_argv(_cli_predict.worker_parser(), args, skip=("nproc",))
+    assert "--nproc" not in tail and "--output=-" in tail and "--test=-b.csv" in tail and "--na-values=-,?" in tail
+    again = _parsed(_cli_predict.worker_parser(), tail)
+    assert vars(again) == {**vars(args), "nproc": 1}
+    assert again.layout == (1, 2) and str(again.layout) == "1x2"
+
+
+def test_defaults_are_left_to_the_worker():
+    args = _parsed(_cli_demo.worker_parser(), [])
+    assert launch.worker_argv(_cli_demo.worker_parser(), args) == []
+
+
+def test_a_value_that_would_reach_the_ranks_changed_is_a_bug_caught_before_torchrun():
+    args = _parsed(_cli_demo.worker_parser(), ["--layout", "1x2"])
+    args.layout = (1, 2)  # a plain tuple's str() is "(1, 2)", not its command-line form
+    with pytest.raises(RuntimeError, match="layout"):
+        launch.worker_argv(_cli_demo.worker_parser(), args)
+
+
+def test_demo_launcher_starts_torchrun_with_what_it_was_given(monkeypatch):
+    started = []
+    monkeypatch.setattr(launch, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
+    assert cli.main(["demo", "--layout", "1x2", "--steps", "3", "--sequence-parallel"]) == 0
+    (cmd, env), = started
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--max-restarts" not in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and env["OMP_NUM_THREADS"]
+    ranks = _cli_demo.worker_parser().parse_args(cmd[cmd.index("tabfm._cli_demo") + 1:])
+    assert (ranks.layout, ranks.steps, ranks.sequence_parallel, ranks.heads) == ((1, 2), 3, True, 8)
+
+
+def test_exit_status_of_torchrun_comes_through():
+    assert launch.run_command([sys.executable, "-c", "raise SystemExit(3)"], {}) == 3
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert launch.run_command([sys.executable, "-c", kill], {}) == 128 + signal.SIGTERM
+    with pytest.raises(ValueError, match="nproc must be at least 1"):
+        launch.torchrun_command("tabfm.pretrain", [], 0)
+
+
+def test_backend_follows_the_device():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == ("nccl" if backend_for("auto") == "nccl" else "gloo")  # no GPU: gloo
+
+
+def test_one_process_joins_no_group_and_a_callers_group_is_left_alone():
+    with process_group("cpu") as started:  # WORLD_SIZE unset: one process
+        assert not started and not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert init_process_group("cpu", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}") == "gloo"
+    try:
+        with process_group("cpu", world_size=2) as started:  # already in a group: neither joined nor left
+            assert not started
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
