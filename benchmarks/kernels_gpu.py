@@ -96,9 +96,9 @@ def _layers_worker(rank: int, world: int, port: int, results) -> None:
     from tabfm.parallel.layers import gather_activation, shard_activation
     from tabfm.parallel.mesh import ParallelDims, factorizations
     from tabfm.parallel.parallelize import block_plan, parallelize
+    from tabfm.parallel.process_group import init_process_group
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_process_group("cuda", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")  # GPU `rank`
     out = []
     try:
         for d0, d1 in factorizations(world):

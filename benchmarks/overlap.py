@@ -98,9 +98,10 @@ def _worker(rank: int, world: int, port: int, setup: Setup, results) -> None:
     from tabfm.parallel.layers import ColumnFirstLinear
     from tabfm.parallel.mesh import ParallelDims, TPMesh
     from tabfm.parallel.parallelize import block_plan, parallelize
+    from tabfm.parallel.process_group import init_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_process_group("cpu", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         s = setup
         mesh = ParallelDims(d0=s.d0, d1=s.d1).build("cpu")

@@ -93,10 +93,11 @@ def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> Non
     from tabfm.parallel.emulate import Link, emulate
     from tabfm.parallel.mesh import ParallelDims, factorizations
     from tabfm.parallel.parallelize import parallelize
+    from tabfm.parallel.process_group import init_process_group
     from tabfm.parallel.topology import ComputeRates, HierarchicalTopology, measure_slowdown, run_measurement
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_process_group("cpu", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     meshes = {(d0, d1): ParallelDims(d0=d0, d1=d1).build("cpu") for d0, d1 in factorizations(world)}
     if not args.cached or not Path(cache).is_file():
         run_measurement(Path(cache), world, "gloo", "cpu", mesh_for=lambda d0, d1: meshes[(d0, d1)])

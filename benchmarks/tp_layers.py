@@ -75,13 +75,15 @@ def _time(step, repeats: int) -> float:
 def worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     from tabfm.parallel import dense
     from tabfm.parallel.layers import gather_activation, shard_activation
     from tabfm.parallel.mesh import ParallelDims, factorizations
     from tabfm.parallel.parallelize import block_plan, parallelize
+    from tabfm.parallel.process_group import init_process_group
+
+    init_process_group("cpu", rank=rank, world_size=world)  # rendezvous at MASTER_ADDR/PORT
 
     torch.manual_seed(0)
     plain = dense.BlockStack(args.depth, args.hidden, args.heads)

@@ -41,24 +41,24 @@ def world_size_from_env() -> int:
 def init_process_group(device: str | torch.device = "cpu", *, timeout: timedelta | None = None,
                        rank: int | None = None, world_size: int | None = None,
                        init_method: str | None = None) -> str:
-    """Join the process group with the backend of `device` and return the backend. Without `init_method` the
-    rank, world size and rendezvous come from torchrun's environment; with it, from the arguments (ranks started
-    by torch.multiprocessing). timeout: of the collectives and the rendezvous (None: torch's default)."""
+    """Join the process group with the backend of `device` and return the backend. The rendezvous is
+    `init_method` (e.g. tcp://HOST:PORT, for ranks started by torch.multiprocessing) or else the environment
+    (MASTER_ADDR/PORT, as torchrun sets them); rank and world size are the arguments, or else RANK / WORLD_SIZE.
+    timeout: of the collectives and the rendezvous (None: torch's default)."""
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)))
     extra = {} if timeout is None else {"timeout": timeout}
-    if init_method is not None:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **extra)
-        return backend
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, **extra)
+    if init_method is None and attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout or STORE_TIMEOUT)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"tabfm/attempt_{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **extra)
         return backend
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout or STORE_TIMEOUT)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"tabfm/attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **extra)
+    if rank is not None and world_size is not None:
+        extra.update(rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=init_method, **extra)
     return backend
 
 

@@ -48,7 +48,9 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    from tabfm.parallel.process_group import init_process_group
+
+    init_process_group("cpu", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
     while True:
         task = tasks.get()
         if task is None:
