@@ -145,7 +145,8 @@ def fixed_batch(batch: int, rows: int, features: int, device: torch.device):
 def build(preset: str, device: torch.device):
     """(model, optimizer, mesh, optim config) of a preset on one device, as tabfm.pretrain builds them."""
     from tabfm.config import OptimConfig
-    from tabfm.model import build_model, parallelize_model
+    from tabfm.model import build_model
+    from tabfm.parallel_model import parallelize_model
     from tabfm.parallel.mesh import TPMesh
     from tabfm.precision import make_optimizer
 

@@ -58,8 +58,9 @@ def _worker(rank: int, world: int, port: int, args: dict, d0: int, d1: int, sp: 
     import torch.distributed as dist
 
     from tabfm.config import load_config
-    from tabfm.model import build_model, parallelize_model
+    from tabfm.model import build_model
     from tabfm.parallel.mesh import ParallelDims
+    from tabfm.parallel_model import parallelize_model
     from tabfm.pretrain import DTYPES, lr_at, train_step
 
     if world > 1:
@@ -131,39 +132,11 @@ def draw_batches(args: argparse.Namespace) -> list:
     return batches
 
 
-class _PlannerTabFM(torch.nn.Module):
-    """TabFM's classification forward for the planner's meta-device trace.
-
-    The planner builds the model on the meta device, swaps its layers with `parallelize(model, mesh, plan)` and
-    calls it on meta inputs. TabFM.forward reads int(n_train.max()) (meta tensors hold no values) and its region
-    is set by parallelize_model, not by parallelize; so this wrapper takes the most train rows as a constant and
-    the mesh as an input, and otherwise calls the model's own stages in TabFM.forward's order."""
-
-    def __init__(self, model_cfg, n_train: int):
-        super().__init__()
-        from tabfm.model import TabFM
-
-        self.model, self.n_train = TabFM(model_cfg), n_train
-
-    def forward(self, batch, mesh, sequence_parallel: bool):
-        from tabfm.model import Region, train_rows
-
-        m = self.model
-        m.region = Region(mesh, sequence_parallel) if mesh.tp > 1 else Region()
-        kv_mask = train_rows(batch.n_train, self.n_train)
-        x = m.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, batch.n_train)
-        for block in m.axial:
-            x = block(x, kv_mask, batch.col_pad, m.region)
-        h = m.compress(x, batch.col_pad, m.region)
-        labels = m.icl.class_embed(batch.labels.clamp(0, m.config.max_classes - 1))
-        labels = labels * train_rows(batch.n_train, batch.labels.shape[1]).unsqueeze(-1).to(labels.dtype)
-        return m.class_head(m.icl(h, labels, kv_mask, m.region))
-
-
 def tabfm_planner_source(model_cfg, batch: int, rows: int, features: int, n_train: int | None = None):
     """A planner ModelSource for TabFM on fixed-size classification batches (B x rows x features)."""
     from tabfm.data.encode import Batch
-    from tabfm.model import tp_plan
+    from tabfm.model import TabFM
+    from tabfm.parallel_model import tp_plan
 
     n_train = n_train or rows // 2
 
@@ -179,11 +152,11 @@ def tabfm_planner_source(model_cfg, batch: int, rows: int, features: int, n_trai
                   n_classes=torch.empty(batch, device=device, dtype=torch.int64),
                   row_pad=torch.empty(batch, rows, device=device, dtype=torch.bool),
                   col_pad=torch.empty(batch, features, device=device, dtype=torch.bool), task="classification")
-        return b, mesh, sequence_parallel
+        return b, n_train  # TabFM.forward(batch, max_train): meta tensors hold no n_train to read
 
     def source():
-        wrapper = _PlannerTabFM(model_cfg, n_train)
-        return wrapper, {f"model.{k}": v for k, v in tp_plan(wrapper.model).items()}, inputs
+        model = TabFM(model_cfg)
+        return model, tp_plan(model), inputs
 
     return source
 

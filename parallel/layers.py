@@ -230,7 +230,6 @@ class ParallelAttention(nn.Module):
                                                 overlap_chunks=overlap_chunks)
         self.proj = RowFirstLinear.from_dense(attn.proj, mesh, sequence_parallel=sequence_parallel,
                                               input_gathered=True, overlap_chunks=overlap_chunks)
-        self.kv_cache: dense.KVCache | None = None  # this rank's heads (see dense.KVCache)
 
     @staticmethod
     def layout_problems(attn: dense.Attention, d0: int, d1: int) -> list[str]:
@@ -239,8 +238,10 @@ class ParallelAttention(nn.Module):
             out.append(f"{attn.heads} attention heads are not divisible by d0*d1={d0 * d1}")
         return out
 
-    def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.overlap_chunks > 1 and self.kv_cache is None:
+    def forward(self, x: torch.Tensor, num_kv: int | None = None, attn_mask: torch.Tensor | None = None,
+                cache: dense.KVCache | None = None) -> torch.Tensor:
+        """cache: keys/values of a context prefix, this rank's heads (see dense.KVCache)."""
+        if self.overlap_chunks > 1 and cache is None:
             y = overlap.attention(x, self.qkv.weight, self.qkv.bias, self.proj.weight, self.mesh, self.overlap_chunks,
                                   local_heads=self.local_heads, num_kv=num_kv, attn_mask=attn_mask,
                                   sequence_parallel=self.sequence_parallel, regather_input=self.qkv.regather_input)
@@ -248,8 +249,8 @@ class ParallelAttention(nn.Module):
                 return self.proj.add_bias(y)
         qkv = self.qkv(x)                                           # [B..., S, 3 * H/N]
         q, k, v = qkv.unflatten(-1, (3, self.local_heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
-        if self.kv_cache is not None:
-            k, v, num_kv = self.kv_cache(k, v, num_kv)
+        if cache is not None:
+            k, v, num_kv = cache(k, v, num_kv)
         ctx = dense.attend(q, k, v, num_kv, attn_mask)              # [B..., H/N heads, S, dh]
         # [B..., S, H/N], all-gathered over axis 1 to [B..., S, H/d0] inside proj (chunk by chunk if overlapped)
         return self.proj(ctx.transpose(-3, -2).flatten(-2), gather_input=True)  # [B..., S(/d0), H/d1]
@@ -314,6 +315,20 @@ class ParallelLayerNorm(nn.Module):
             return s, y
         out = functools.reduce(torch.promote_types, [p.dtype for p in (weight, bias) if p is not None], dtype)
         return s.to(dtype), y.to(out)  # the dtypes of the low-precision computation, float32 statistics inside
+
+
+class ParallelBlock(dense.Block):
+    """A dense.Block whose second norm is a ParallelLayerNorm: the residual add is fused into the norm's statistics
+    pass (`forward_residual`). It adopts the block's own (already swapped) modules, so parameter names stay."""
+
+    def __init__(self, block: dense.Block):
+        nn.Module.__init__(self)  # not dense.Block.__init__: the modules are the block's, not new ones
+        self.norm1, self.attn, self.norm2, self.mlp = block.norm1, block.attn, block.norm2, block.mlp
+        if not isinstance(self.norm2, ParallelLayerNorm):
+            raise TypeError(f"ParallelBlock needs a ParallelLayerNorm as norm2, got {type(self.norm2).__name__}")
+
+    def add_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm2.forward_residual(h, x)
 
 
 class VocabEmbedding(nn.Module):

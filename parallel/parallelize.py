@@ -7,9 +7,12 @@ The plan maps module-name patterns (fnmatch, on `named_modules()` names) to a st
     "embedding"  nn.Embedding     -> VocabEmbedding
     "colwise"    nn.Linear        -> ColumnFirstLinear
     "rowwise"    nn.Linear        -> RowFirstLinear
-Everything the plan names runs on hidden-sharded activations; the model enters and leaves that region with
-`shard_activation` / `gather_activation`. Parameter names stay those of the plain model, so a gathered state
-dict is the plain model's state dict. Layout problems are found for the whole plan before anything is swapped.
+    "region"     any module       kept; its input is sharded on entry and its output gathered on exit (RegionBoundary)
+Everything those layers see is hidden-sharded: a "region" marks where a model enters and leaves that state (like
+torchtitan's PrepareModuleInput / PrepareModuleOutput), so the plain model never calls a collective. A dense.Block
+whose second norm became a ParallelLayerNorm becomes a ParallelBlock (same modules), which fuses its residual add
+into the norm. Parameter names stay those of the plain model, so a gathered state dict is the plain model's state
+dict. Layout problems are found for the whole plan before anything is swapped.
 
 Run options (the config's `parallel.overlap_chunks` and `parallel.kernels`) reach the layers that use them:
     overlap_chunks  k chunks of overlapped communication (overlap.py): mlp, attention, colwise, rowwise
@@ -21,13 +24,16 @@ from __future__ import annotations
 import copy
 import fnmatch
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
 
 from tabfm.parallel import dense
 from tabfm.parallel.kernels.ops import check_kernels
-from tabfm.parallel.layers import (ColumnFirstLinear, ParallelAttention, ParallelLayerNorm, ParallelMlp,
-                                   RowFirstLinear, VocabEmbedding, _divisibility)
+from tabfm.parallel.layers import (ColumnFirstLinear, ParallelAttention, ParallelBlock, ParallelLayerNorm,
+                                   ParallelMlp, RowFirstLinear, VocabEmbedding, _divisibility, gather_activation,
+                                   shard_activation)
 from tabfm.parallel.mesh import LayoutError, TPMesh, factorizations
 from tabfm.parallel.overlap import check_chunks
 from tabfm.parallel.sharding import ShardSpec
@@ -48,6 +54,8 @@ _STYLES: dict[str, tuple[type, Callable[..., nn.Module], Callable[[nn.Module, in
                 + _divisibility({"linear output": m.out_features}, 1, d1)),
 }
 
+
+REGION = "region"  # the boundary style: nothing is swapped (RegionBoundary)
 
 # Which run options each style's layer takes.
 _OPTIONS: dict[str, tuple[str, ...]] = {
@@ -75,18 +83,18 @@ def _matches(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, str]]:
         if len(styles) > 1:
             raise ValueError(f"module {name!r} matches several styles {sorted(styles)} in the plan")
         style = styles.pop()
-        if style not in _STYLES:
-            raise ValueError(f"unknown style {style!r} for {name!r}; choose from {sorted(_STYLES)}")
-        kind = _STYLES[style][0]
-        if type(module) is not kind:
+        if style not in _STYLES and style != REGION:
+            raise ValueError(f"unknown style {style!r} for {name!r}; choose from {sorted([*_STYLES, REGION])}")
+        kind = _STYLES[style][0] if style in _STYLES else None
+        if kind is not None and type(module) is not kind:
             raise ValueError(f"plan gives {name!r} style {style!r}, which needs {kind.__name__}, "
                              f"but the module is {type(module).__name__}")
         found.append((name, module, style))
-    # A matched module inside another matched module would be swapped twice.
-    names = [n for n, _, _ in found]
-    for n in names:
-        for m in names:
-            if m != n and m.startswith(n + "."):
+    # A matched module inside a swapped one would be swapped twice; a region inside a region sharded twice. Only a
+    # region may hold other matches (the layers that run inside it).
+    for n, _, outer in found:
+        for m, _, inner in found:
+            if m != n and m.startswith(n + ".") and not (outer == REGION and inner != REGION):
                 raise ValueError(f"plan matches both {n!r} and its child {m!r}")
     return found
 
@@ -95,7 +103,8 @@ def layout_problems(model: nn.Module, plan: Plan, d0: int, d1: int) -> list[str]
     """Everything that stops `model` from running on a (d0, d1) mesh under `plan` (empty when it can)."""
     out = []
     for name, module, style in _matches(model, plan):
-        out += [f"{name}: {p}" for p in _STYLES[style][2](module, d0, d1)]
+        if style in _STYLES:  # a region fits any mesh: under sequence parallelism it pads its sequence
+            out += [f"{name}: {p}" for p in _STYLES[style][2](module, d0, d1)]
     return out
 
 
@@ -129,14 +138,87 @@ def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: b
     """
     options = {"overlap_chunks": check_chunks(overlap_chunks), "kernels": check_kernels(kernels)}
     check_layout(model, plan, mesh.d0, mesh.d1)
-    for name, module, style in _matches(model, plan):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+    matches = _matches(model, plan)
+    for name, module, style in matches:
+        if style == REGION:
+            continue
         if not name:
             raise ValueError("the plan cannot swap the root module itself; wrap it in a parent module")
         extra = {name: options[name] for name in _OPTIONS[style]}
-        setattr(parent, child, _STYLES[style][1](module, mesh, sequence_parallel=sequence_parallel, **extra))
+        _replace(model, name, _STYLES[style][1](module, mesh, sequence_parallel=sequence_parallel, **extra))
+    _fuse_residual_norms(model)
+    for name, _, style in matches:  # after the swaps, so the hooks sit on the modules that stay
+        if style == REGION:
+            RegionBoundary(mesh, sequence_parallel).attach(model.get_submodule(name))
     return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _fuse_residual_norms(model: nn.Module) -> None:
+    """Every dense.Block whose norm2 is now a ParallelLayerNorm becomes a ParallelBlock (the same modules)."""
+    blocks = [name for name, m in model.named_modules()
+              if type(m) is dense.Block and isinstance(m.norm2, ParallelLayerNorm)]
+    for name in blocks:
+        new = ParallelBlock(model.get_submodule(name))
+        if name:
+            _replace(model, name, new)
+
+
+class RegionBoundary:
+    """The "region" style: `module(x, num_kv=..., attn_mask=..., ...)` runs on hidden-sharded activations.
+
+    On entry x [B..., S, H] (replicated) becomes this rank's [B..., S(/d0), H/d1] (shard_activation); on exit the
+    output is gathered back to [B..., S, H]. Under sequence parallelism the sequence is first padded with zero
+    tokens to a multiple of d0; they are never keys (num_kv stops before them, a per-query mask gets rows for
+    them) and are cut off the output, so they change nothing. Applied as forward hooks, so the module, its name and
+    its parameters stay the plain model's.
+    """
+
+    def __init__(self, mesh: TPMesh, sequence_parallel: bool = False) -> None:
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self._lengths: list[int] = []  # S of the calls in flight (entry pushes, exit pops)
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.enter, with_kwargs=True)
+        module.register_forward_hook(self.leave, with_kwargs=True)
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if len(args) != 1:
+            raise TypeError(f"a region's {type(module).__name__} takes its tokens positionally and everything else "
+                            f"by keyword (num_kv=..., attn_mask=...); it got {len(args)} positional arguments")
+        x, num_kv, attn_mask = args[0], kwargs.get("num_kv"), kwargs.get("attn_mask")
+        s = x.shape[-2]
+        pad = -s % self.mesh.d0 if self.sequence_parallel else 0
+        if pad:
+            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+            num_kv = s if num_kv is None else num_kv
+            if attn_mask is not None and attn_mask.shape[-2] != 1:
+                attn_mask = torch.cat([attn_mask, attn_mask.new_ones(*attn_mask.shape[:-2], pad,
+                                                                     attn_mask.shape[-1])], dim=-2)
+            kwargs = {**kwargs, "num_kv": num_kv, "attn_mask": attn_mask}
+        self._lengths.append(s)
+        return (shard_activation(x, self.mesh, self.sequence_parallel),), kwargs
+
+    def leave(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+        s = self._lengths.pop()
+        y = gather_activation(y, self.mesh, self.sequence_parallel)
+        return y[..., :s, :] if y.shape[-2] != s else y
+
+    def __repr__(self) -> str:
+        return f"RegionBoundary({self.mesh}, sequence_parallel={self.sequence_parallel})"
+
+
+def model_mesh(model: nn.Module) -> TPMesh | None:
+    """The mesh `model` was parallelized on, read off its ATP layers (the one place it is kept), or None when the
+    model is plain."""
+    meshes = {id(m.mesh): m.mesh for m in model.modules() if callable(getattr(m, "shard_specs", None))}
+    if len(meshes) > 1:
+        raise ValueError(f"the model's layers sit on {len(meshes)} different meshes; parallelize it once")
+    return next(iter(meshes.values()), None)
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:

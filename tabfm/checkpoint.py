@@ -47,10 +47,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
+from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.parallelize import full_shard_specs, shard_specs
 from tabfm.parallel.sharding import ShardSpec, shard_tensor, unshard_tensor
+from tabfm.parallel_model import model_mesh, parallelize_model, tp_plan
 
 FORMAT = "tabfm-checkpoint-v1"
 MERGED_FORMAT = "tabfm-merged-v1"
@@ -78,7 +79,7 @@ def model_specs(model: TabFM) -> dict[str, ShardSpec]:
     """How each parameter is cut: read off the ATP layers of a parallelized model, or, for a plain model, the
     specs `parallelize` would give it (so a 1x1 checkpoint still reshards to any layout), read off a twin on the
     meta device (parallelize works on a copy, which for a real model would double its memory)."""
-    if model.region.mesh is None:
+    if model_mesh(model) is None:
         with torch.device("meta"):
             twin = TabFM(model.config)
         return full_shard_specs(twin, tp_plan(twin))
@@ -175,8 +176,8 @@ def save_checkpoint(ckpt_dir: str | Path, model: TabFM, optimizer: torch.optim.O
     """
     ckpt_dir = Path(ckpt_dir)
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    mesh = mesh or model.region.mesh or TPMesh.single()
-    if model.region.mesh is None and mesh.tp > 1:
+    mesh = mesh or model_mesh(model) or TPMesh.single()
+    if model_mesh(model) is None and mesh.tp > 1:
         raise ValueError(f"the model is plain but the mesh is {mesh}: parallelize it first (parallelize_model)")
     rank, world = _world(group)
     if rank == 0:
@@ -526,7 +527,7 @@ def _check_against_model(manifest: dict, model: TabFM, where: str) -> None:
     """The declared tensors against `model`: the config, every name, global shape and shard spec, and each
     optimizer tensor against its parameter (a scalar, or the parameter's shape and cut)."""
     _check_model_config(manifest["model_config"], model, where)
-    shapes, specs = _expected_globals(model, model.region.mesh or TPMesh.single())
+    shapes, specs = _expected_globals(model, model_mesh(model) or TPMesh.single())
     tensors = manifest["tensors"]
     saved = {k[len(MODEL):]: tuple(v["shape"]) for k, v in tensors.items() if k.startswith(MODEL)}
     if set(saved) != set(shapes):
@@ -699,7 +700,7 @@ def load_checkpoint(ckpt_dir: str | Path, model: TabFM, optimizer: torch.optim.O
     all files and cut for this rank's coordinate. RNG states are restored only on the same layout.
     """
     ckpt_dir = Path(ckpt_dir)
-    mesh = model.region.mesh or TPMesh.single()
+    mesh = model_mesh(model) or TPMesh.single()
     manifest = inspect_checkpoint(ckpt_dir, model)
     specs = model_specs(model)
 

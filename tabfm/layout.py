@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from tabfm.data.encode import Batch
-from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
+from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel import parallelize
 from tabfm.parallel.mesh import ParallelDims, TPMesh
+from tabfm.parallel_model import parallelize_model, tp_plan
 
 
 class _NoInit(torch.overrides.TorchFunctionMode):

@@ -12,8 +12,10 @@ Each stage is named after the table axis it mixes (TabICL style):
     heads            classification logits (up to max_classes) or a binned distribution of the normalised target
 
 Test rows never see one another: normalisation statistics come from train rows, and every attention over rows
-takes its keys/values from the train rows only (dense.Attention's `num_kv` prefix plus a mask for tables of the
-batch with fewer train rows). tests/test_model.py perturbs test rows and checks nothing else moves.
+takes its keys/values from the train rows only (blocks.Attention's `num_kv` prefix plus a mask for tables of the
+batch with fewer train rows). tests/test_model.py perturbs test rows and checks nothing else moves. So the train
+rows can be encoded once (`TabFM.encode_context` -> a Context holding their statistics and, at every attention over
+rows, their keys/values) and test rows predicted later against it (`forward(batch, context=...)`).
 
 Shapes: B tables, R rows (train rows first, then test rows, then padding), C feature columns, E cell width,
 K CLS tokens per row, D = K*E row width, T = the most train rows of a table in the batch, Y = outputs.
@@ -24,10 +26,10 @@ K CLS tokens per row, D = K*E row width, T = the most train rows of a table in t
        row compression          [B, R, C+K, E] -> [B, R, K*E] = [B, R, D]
     h  row vectors              [B, R, D]         sequence = rows, keys = the first T rows (masked per table)
     logits                      [B, R, Y]         Y = max_classes, or num_bins for regression
-Tensor-parallel (after `parallelize_model`): inside each stage's blocks the activation is
-[..., S(/d0), E/d1] (or D/d1); everything outside the blocks is replicated. With sequence parallelism the
-stage's sequence (rows, or columns for RowAttention) is split over axis 0, padded to a multiple of d0 with
-tokens that are never keys.
+
+This file is one-device code. tabfm.parallel_model.parallelize_model turns it into the tensor-parallel model from
+outside: inside each stage's blocks the activation becomes [..., S(/d0), E/d1] (or D/d1), everything outside the
+blocks stays replicated, and the parameter names stay these.
 """
 
 from __future__ import annotations
@@ -35,21 +37,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from tabfm.blocks import Block, BlockStack, KVCache
 from tabfm.data.encode import Batch
-from tabfm.parallel import dense
-from tabfm.parallel.layers import gather_activation, shard_activation
-from tabfm.parallel.mesh import TPMesh
-from tabfm.parallel.parallelize import Plan, block_plan, parallelize
-
-if TYPE_CHECKING:
-    from tabfm.inference import Context
 
 TargetStats = tuple[torch.Tensor, torch.Tensor]
 """(mean, std) [B, 1] of each table's regression targets over its train rows."""
@@ -137,39 +132,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Where the blocks run: one device, or hidden-sharded on a tensor-parallel mesh.
-# ---------------------------------------------------------------------------------------------------------
-
-class Region:
-    """Runs a stage's blocks on [..., S, width] tokens: directly (mesh None), or entering the tensor-parallel
-    region with shard_activation and leaving it with gather_activation. Under sequence parallelism the sequence
-    is padded to a multiple of d0; the padding tokens are never keys, so they change nothing."""
-
-    def __init__(self, mesh: TPMesh | None = None, sequence_parallel: bool = False) -> None:
-        self.mesh, self.sequence_parallel = mesh, sequence_parallel
-
-    def __call__(self, blocks: nn.Module, x: torch.Tensor, num_kv: int | None,
-                 attn_mask: torch.Tensor | None) -> torch.Tensor:
-        if self.mesh is None:
-            return blocks(x, num_kv=num_kv, attn_mask=attn_mask)
-        s = x.shape[-2]
-        pad = -s % self.mesh.d0 if self.sequence_parallel else 0
-        if pad:
-            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
-            num_kv = s if num_kv is None else num_kv
-            if attn_mask is not None and attn_mask.shape[-2] != 1:
-                attn_mask = torch.cat([attn_mask, attn_mask.new_ones(*attn_mask.shape[:-2], pad,
-                                                                     attn_mask.shape[-1])], dim=-2)
-        y = shard_activation(x, self.mesh, self.sequence_parallel)
-        y = blocks(y, num_kv=num_kv, attn_mask=attn_mask)
-        y = gather_activation(y, self.mesh, self.sequence_parallel)
-        return y[..., :s, :] if pad else y
-
-    def __repr__(self) -> str:
-        return "Region(plain)" if self.mesh is None else f"Region({self.mesh}, sp={self.sequence_parallel})"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,12 +225,12 @@ class ColumnAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+        self.block = Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
 
-    def forward(self, x: torch.Tensor, kv: KeyRows, region: Region) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KeyRows, cache: KVCache | None = None) -> torch.Tensor:
         # x [B, R, C, E]
         cols = x.transpose(1, 2)                                                 # [B, C, R, E]
-        cols = region(self.block, cols, kv.count, kv.mask_for(3))
+        cols = self.block(cols, num_kv=kv.count, attn_mask=kv.mask_for(3), cache=cache)
         return cols.transpose(1, 2)
 
 
@@ -278,22 +240,23 @@ class RowAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+        self.block = Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
 
-    def forward(self, x: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
-        return region(self.block, x, None, ~col_pad[:, None, None, :])          # [B, R, C, E]
+    def forward(self, x: torch.Tensor, col_pad: torch.Tensor) -> torch.Tensor:
+        return self.block(x, num_kv=None, attn_mask=~col_pad[:, None, None, :])  # [B, R, C, E]
 
 
 class AxialBlock(nn.Module):
-    """Down the columns, then across the rows."""
+    """Down the columns, then across the rows. cache: the train rows' keys/values of the column attention."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.column = ColumnAttention(cfg)
         self.row = RowAttention(cfg)
 
-    def forward(self, x: torch.Tensor, kv: KeyRows, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
-        return self.row(self.column(x, kv, region), col_pad, region)
+    def forward(self, x: torch.Tensor, kv: KeyRows, col_pad: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        return self.row(self.column(x, kv, cache), col_pad)
 
 
 class RowCompression(nn.Module):
@@ -303,32 +266,81 @@ class RowCompression(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cls = nn.Parameter(torch.randn(cfg.row_num_cls, cfg.embed_dim) * 0.02)
-        self.block = dense.Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
+        self.block = Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
 
-    def forward(self, x: torch.Tensor, col_pad: torch.Tensor, region: Region) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, col_pad: torch.Tensor) -> torch.Tensor:
         B, R, C, E = x.shape
         seq = torch.cat([x, self.cls.expand(B, R, -1, -1)], dim=2)             # [B, R, C+K, E]
-        out = region(self.block, seq, C, ~col_pad[:, None, None, :])
+        out = self.block(seq, num_kv=C, attn_mask=~col_pad[:, None, None, :])
         return out[:, :, C:, :].flatten(-2)                                     # [B, R, K*E]
 
 
 class ICLearning(nn.Module):
     """In-context transformer over row vectors: train rows get their label's embedding added (a class
-    embedding, or a linear map of the normalised regression target); every row attends to the train rows only."""
+    embedding, or a linear map of the normalised regression target); every row attends to the train rows only.
+    caches: the train rows' keys/values, one per block."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.class_embed = nn.Embedding(cfg.max_classes, cfg.icl_dim)
         self.target_proj = nn.Linear(1, cfg.icl_dim)
-        self.blocks = dense.BlockStack(cfg.icl_num_blocks, cfg.icl_dim, cfg.icl_heads, cfg.icl_mlp_ratio)
+        self.blocks = BlockStack(cfg.icl_num_blocks, cfg.icl_dim, cfg.icl_heads, cfg.icl_mlp_ratio)
         self.out_norm = nn.LayerNorm(cfg.icl_dim)
 
     def forward(self, h: torch.Tensor, label_embedding: torch.Tensor | None, kv: KeyRows,
-                region: Region) -> torch.Tensor:
+                caches: list[KVCache] | None = None) -> torch.Tensor:
         # h, label_embedding [B, R, D] (zero on test and padding rows; None when all rows are test rows).
         h = h if label_embedding is None else h + label_embedding
-        h = region(self.blocks, h, kv.count, kv.mask_for(2))
+        h = self.blocks(h, num_kv=kv.count, attn_mask=kv.mask_for(2), caches=caches)
         return self.out_norm(h)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The encoded context of in-context inference
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    """Train rows of B tables, encoded once (TabFM.encode_context): all a batch of their test rows needs.
+
+    Test rows never influence train rows, so what a test row reads from them is fixed once they are known:
+        cell_stats     mean / deviation of each numeric column over the train rows       [B, 1, C]
+        target_stats   mean / deviation of the regression target (regression only)      [B, 1]
+        caches         keys / values of the train rows at every attention over rows, in forward order: the
+                       ColumnAttention of each axial block, then each in-context block (this rank's heads when
+                       tensor-parallel)
+    """
+
+    task: str
+    n_train: int
+    num_columns: int
+    n_classes: torch.Tensor
+    """[B] classes of each table (0 for regression)."""
+    cell_stats: tuple[torch.Tensor, torch.Tensor]
+    target_stats: TargetStats | None
+    caches: list[KVCache]
+
+    @property
+    def key_rows(self) -> KeyRows:
+        """Every table of a context has all n_train rows: attention needs no mask."""
+        return KeyRows(self.n_train, None)
+
+    @property
+    def num_tables(self) -> int:
+        return int(self.n_classes.shape[0])
+
+    def nbytes(self) -> int:
+        """Memory held by the cached keys/values (this rank's share)."""
+        return sum(c.nbytes() for c in self.caches)
+
+    def check_batch(self, batch: Batch) -> None:
+        """Raise ValueError unless `batch` holds test rows of this context's tables (same tables, columns, task)."""
+        B, _, C = batch.values.shape
+        if B != self.num_tables or C != self.num_columns:
+            raise ValueError(f"the test batch has {B} tables x {C} columns but the context was encoded from "
+                             f"{self.num_tables} tables x {self.num_columns} columns")
+        if batch.task != self.task:
+            raise ValueError(f"a {batch.task} batch cannot be predicted from a {self.task} context")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -339,7 +351,9 @@ class TabFM(nn.Module):
     """Cells -> axial blocks -> row compression -> in-context transformer -> classification or regression head.
 
     forward(batch) gives logits [B, R, Y] for every row (only test rows are meaningful);
-    loss(batch) is the cross-entropy over the test rows (padding ignored).
+    loss(batch) is the cross-entropy over the test rows (padding ignored);
+    encode_context(train batch) -> Context, then forward(test batch, context=context): the same test-row logits
+    with the train rows run once.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -351,7 +365,6 @@ class TabFM(nn.Module):
         self.icl = ICLearning(cfg)
         self.class_head = nn.Linear(cfg.icl_dim, cfg.max_classes)
         self.bin_head = nn.Linear(cfg.icl_dim, cfg.num_bins)
-        self.region = Region()  # set by parallelize_model; not a module, not in the state dict
 
     # -- targets -------------------------------------------------------------------------------------------
 
@@ -386,27 +399,53 @@ class TabFM(nn.Module):
     def forward(self, batch: Batch, max_train: int | None = None, context: Context | None = None) -> torch.Tensor:
         """max_train: the most train rows of a table in the batch, when the caller knows it without reading
         n_train (the planner traces the model on the meta device, where tensors hold no values).
-        context: train rows encoded earlier (tabfm.inference.encode_context); then every row of `batch` is a
-        test row, its cells are normalised with the context's statistics and the attentions over rows read the
-        context's cached keys/values."""
-        B, R, C = batch.values.shape
+        context: train rows encoded earlier (encode_context); then every row of `batch` is a test row, its cells
+        are normalised with the context's statistics and the attentions over rows read the context's cached
+        keys/values."""
+        if context is None:
+            return self._run(batch, *self._train_inputs(batch, max_train), caches=None)
+        context.check_batch(batch)
+        return self._run(batch, context.key_rows, context.cell_stats, None, context.caches)
+
+    @torch.no_grad()
+    def encode_context(self, batch: Batch) -> Context:
+        """Encode the train rows of `batch` (tables of equal size, all rows train rows) once: their statistics and
+        their keys/values at every attention over rows."""
+        n_train = batch.values.shape[1]
+        if bool(batch.row_pad.any()) or int(batch.n_train.min()) != n_train or int(batch.n_train.max()) != n_train:
+            raise ValueError("encode_context takes a batch of train rows only: every table with the same number of "
+                             "rows, all of them train rows (n_train == rows, no row padding)")
+        kv, stats, labels = self._train_inputs(batch, None)
+        caches = [KVCache() for _ in range(len(self.axial) + len(self.icl.blocks.blocks))]
+        self._run(batch, kv, stats, labels, caches)
+        for cache in caches:
+            cache.recording = False
+        return Context(task=batch.task, n_train=n_train, num_columns=batch.values.shape[2],
+                       n_classes=batch.n_classes.clone(), cell_stats=stats,
+                       target_stats=self.target_stats(batch) if batch.task == "regression" else None, caches=caches)
+
+    def _train_inputs(self, batch: Batch, max_train: int | None) -> tuple[KeyRows, tuple[torch.Tensor, torch.Tensor],
+                                                                           torch.Tensor]:
+        """What the rows read from the batch's own train rows: key rows, cell statistics, label embeddings."""
         n_train = batch.n_train
-        if context is not None:
-            kv, stats, labels = context.key_rows, context.cell_stats, None
-        else:
-            known = max_train is None
-            if known:
-                if int(n_train.min()) < 1:
-                    raise ValueError("every table needs at least one train row (n_train >= 1)")
-                max_train = int(n_train.max())
-            kv = KeyRows.of(n_train, max_train, known)
-            stats = self.cells.stats(batch.values, batch.missing, n_train)
-            labels = self._label_embedding(batch, train_rows(n_train, R))
+        known = max_train is None
+        if known:
+            if int(n_train.min()) < 1:
+                raise ValueError("every table needs at least one train row (n_train >= 1)")
+            max_train = int(n_train.max())
+        kv = KeyRows.of(n_train, max_train, known)
+        stats = self.cells.stats(batch.values, batch.missing, n_train)
+        return kv, stats, self._label_embedding(batch, train_rows(n_train, batch.values.shape[1]))
+
+    def _run(self, batch: Batch, kv: KeyRows, stats: tuple[torch.Tensor, torch.Tensor],
+             labels: torch.Tensor | None, caches: list[KVCache] | None) -> torch.Tensor:
+        """The stages, top to bottom; caches (recording or recorded): one per attention over rows, or None."""
+        A = len(self.axial)
         x = self.cells(batch.values, batch.missing, batch.cat_codes, batch.is_cat, stats)  # [B, R, C, E]
-        for block in self.axial:
-            x = block(x, kv, batch.col_pad, self.region)
-        h = self.compress(x, batch.col_pad, self.region)                        # [B, R, D]
-        h = self.icl(h, labels, kv, self.region)
+        for i, block in enumerate(self.axial):
+            x = block(x, kv, batch.col_pad, None if caches is None else caches[i])
+        h = self.compress(x, batch.col_pad)                                      # [B, R, D]
+        h = self.icl(h, labels, kv, None if caches is None else caches[A:])
         if batch.task == "regression":
             return self.bin_head(h)                                              # [B, R, num_bins]
         logits = self.class_head(h)                                              # [B, R, max_classes]
@@ -456,33 +495,6 @@ class TabFM(nn.Module):
         z = edges[k - 1] + frac * (edges[k] - edges[k - 1])
         mean, std = self.target_stats(batch) if isinstance(batch, Batch) else batch
         return z * std[..., None] + mean[..., None]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Tensor parallelism: which modules become ATP layers, and running the model on a mesh
-# ---------------------------------------------------------------------------------------------------------
-
-def tp_plan(model: TabFM) -> Plan:
-    """The parallelize plan: attention, MLP and both norms of the blocks of every stage. The cell encoder, label
-    embeddings, output norm and heads stay replicated (they run outside the blocks)."""
-    plan: Plan = {}
-    for prefix in ("axial.*.column.block", "axial.*.row.block", "compress.block", "icl.blocks"):
-        plan.update(block_plan(prefix))
-    return plan
-
-
-def parallelize_model(model: TabFM, mesh: TPMesh | None, sequence_parallel: bool = False, overlap_chunks: int = 1,
-                      kernels: str = "auto") -> TabFM:
-    """Swap the blocks of every stage for ATP layers on `mesh` (in place) and run them there; parameter names
-    stay the plain model's. A mesh of None or 1x1 leaves the model plain. overlap_chunks and kernels are the
-    config's parallel.overlap_chunks and parallel.kernels (see tabfm.parallel.parallelize)."""
-    if mesh is None or mesh.tp == 1:
-        model.region = Region()
-        return model
-    parallelize(model, mesh, tp_plan(model), sequence_parallel=sequence_parallel, overlap_chunks=overlap_chunks,
-                kernels=kernels)
-    model.region = Region(mesh, sequence_parallel)
-    return model
 
 
 def build_model(cfg: ModelConfig | str, seed: int = 0) -> TabFM:

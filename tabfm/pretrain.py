@@ -47,7 +47,8 @@ from tabfm.data.encode import Batch
 from tabfm.data.loader import make_loader
 from tabfm.evaluate import evaluate, load_tables
 from tabfm.layout import check_layout, fitting_layouts, resolve_layout
-from tabfm.model import TabFM, build_model, parallelize_model
+from tabfm.model import TabFM, build_model
+from tabfm.parallel_model import parallelize_model
 from tabfm.parallel.comm import all_reduce
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
 from tabfm.parallel.parallelize import shard_specs
@@ -71,7 +72,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 def global_grad_norm(model: TabFM, mesh: TPMesh) -> torch.Tensor:
     """The 2-norm of the full gradient: each tensor's local sum of squares is summed over the mesh axes that
     split it (replicated tensors are counted once)."""
-    specs = shard_specs(model) if model.region.mesh is not None else {}
+    specs = shard_specs(model)  # empty for a plain model
     sums: dict[tuple[bool, bool], torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is None:

@@ -20,8 +20,9 @@ from test_model import make_batch
 
 from tabfm import checkpoint as ckpt
 from tabfm import cli
-from tabfm.model import ModelConfig, build_model, parallelize_model
+from tabfm.model import ModelConfig, build_model
 from tabfm.parallel.sharding import ShardSpec, gather_state_dict, shard_tensor
+from tabfm.parallel_model import model_mesh, parallelize_model
 
 STEPS = 2
 
@@ -103,7 +104,7 @@ def test_merge_is_the_gathered_state_dict(saved, tmp_path):
         assert torch.equal(merged[k], v), k
     # The merged file is a plain model: it predicts what the 2x2 model predicted.
     model = ckpt.load_model(out)
-    assert model.region.mesh is None and next(model.parameters()).dtype == torch.float64
+    assert model_mesh(model) is None and next(model.parameters()).dtype == torch.float64
     with torch.no_grad():
         logits = model(make_batch(seed=7))
     assert (logits - saved["results"][0]["logits"]).abs().max() <= 1e-10

@@ -15,7 +15,8 @@ import torch
 from dist_harness import get_mesh
 
 from tabfm.evaluate import DEFAULT_TABLES, evaluate, load_table, load_tables, table_metrics
-from tabfm.model import ModelConfig, build_model, parallelize_model
+from tabfm.model import ModelConfig, build_model
+from tabfm.parallel_model import model_mesh, parallelize_model
 
 TINY = ModelConfig.load("tiny")
 
@@ -93,7 +94,7 @@ def test_untrained_model_gives_finite_metrics_in_range():
 def _evaluate_on_mesh(d0: int, d1: int, sp: bool):
     tables, _ = load_tables(DEFAULT_TABLES, model_cfg=TINY)
     model = parallelize_model(_model(), get_mesh(d0, d1), sequence_parallel=sp)
-    return evaluate(model, tables, model.region.mesh)
+    return evaluate(model, tables, model_mesh(model))
 
 
 def test_tensor_parallel_evaluation_equals_one_process(ranks):

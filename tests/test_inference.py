@@ -12,7 +12,7 @@ from test_model import tiny_model
 
 from tabfm.data.encode import Batch
 from tabfm.inference import encode_context, predict_logits
-from tabfm.model import parallelize_model
+from tabfm.parallel_model import parallelize_model
 
 TOL = 1e-10
 ROWS, TRAIN, COLS = 13, 8, 5
@@ -77,8 +77,33 @@ def test_context_checks_its_inputs():
                       "n_cats": narrow.n_cats[:, :3], "col_pad": narrow.col_pad[:, :3]}, task="classification")
     with pytest.raises(ValueError, match="columns"):
         predict_logits(model, context, narrow)
-    # Attaching caches never leaks into a later plain forward.
-    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+    with pytest.raises(ValueError, match="cannot be predicted from a classification context"):
+        predict_logits(model, context, rows_of(full_table("regression"), slice(TRAIN, ROWS), 0))
+
+
+def test_the_cache_is_an_argument_not_state_on_the_layers():
+    """Encoding a context leaves the model as it was: no layer holds a cache, a plain forward is unchanged, and two
+    contexts of different tables predict independently of the order they were encoded in."""
+    model = tiny_model().eval()
+    a, b = full_table("classification", seed=0), full_table("classification", seed=1)
+    with torch.no_grad():
+        before = model(a)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx_a = encode_context(model, rows_of(a, slice(0, TRAIN), TRAIN))
+    ctx_b = encode_context(model, rows_of(b, slice(0, TRAIN), TRAIN))
+    assert not any(hasattr(m, "kv_cache") or hasattr(m, "cache") for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(a), before)
+    pred_a = predict_logits(model, ctx_a, rows_of(a, slice(TRAIN, ROWS), 0))
+    pred_b = predict_logits(model, ctx_b, rows_of(b, slice(TRAIN, ROWS), 0))
+    assert torch.equal(pred_a, cached_logits(model, a, test_chunks=1))
+    assert torch.equal(pred_b, cached_logits(model, b, test_chunks=1))
+    assert not torch.allclose(pred_a, pred_b)
+    # The same pair on the model itself: encode_context, then forward(batch, context=...).
+    with torch.no_grad():
+        assert torch.equal(model(rows_of(a, slice(TRAIN, ROWS), 0), context=model.encode_context(
+            rows_of(a, slice(0, TRAIN), TRAIN))), pred_a)
 
 
 def _sharded(d0: int, d1: int, sp: bool) -> dict[str, float]:

@@ -15,10 +15,11 @@ import torch
 from dist_harness import get_mesh
 
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.model import ModelConfig, TabFM, build_model, parallelize_model, tp_plan
+from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import LayoutError
 from tabfm.parallel.parallelize import check_layout, shard_specs
 from tabfm.parallel.sharding import ShardSpec, shard_tensor
+from tabfm.parallel_model import parallelize_model, tp_plan
 
 TOL = 1e-10
 
@@ -114,6 +115,30 @@ def test_one_by_one_mesh_is_the_plain_model():
     batch = make_batch()
     plain = model(batch)
     assert torch.equal(parallelize_model(model, TPMesh.single())(batch), plain)
+
+
+def test_the_plan_is_applied_from_outside():
+    """tp_plan makes each stage's blocks a region and its blocks ATP layers; the plain model is left untouched by
+    anything but the swap: same parameter names, the mesh kept only in the layers, output the plain one's."""
+    from tabfm.parallel.layers import ParallelBlock
+    from tabfm.parallel.mesh import TPMesh
+    from tabfm.parallel.parallelize import parallelize
+    from tabfm.parallel_model import model_mesh
+
+    model, batch = tiny_model(), make_batch()
+    mesh = TPMesh.single()
+    par = parallelize(copy.deepcopy(model), mesh, tp_plan(model))
+    assert model_mesh(model) is None and model_mesh(par) is mesh
+    assert [n for n, _ in par.named_parameters()] == [n for n, _ in model.named_parameters()]
+    blocks = [m for m in par.modules() if isinstance(m, ParallelBlock)]
+    assert len(blocks) == 2 * model.config.axial_num_blocks + 1 + model.config.icl_num_blocks
+    regions = [n for n, m in par.named_modules() if m._forward_pre_hooks]
+    axial = [f"axial.{i}.{stage}.block" for i in range(model.config.axial_num_blocks) for stage in ("column", "row")]
+    assert regions == [*axial, "compress.block", "icl.blocks"]
+    with torch.no_grad():
+        assert torch.allclose(par(batch), model(batch), rtol=0, atol=TOL)
+    with pytest.raises(ValueError, match="matches both 'icl' and its child 'icl.blocks'"):
+        parallelize(copy.deepcopy(model), mesh, {"icl": "region", "icl.blocks": "region"})
 
 
 def test_layout_that_does_not_divide_heads_is_refused():

@@ -24,7 +24,8 @@ from torch import nn
 from tabfm import checkpoint as ckpt
 from tabfm.config import load_config
 from tabfm.data.loader import make_loader
-from tabfm.model import build_model, parallelize_model
+from tabfm.model import build_model
+from tabfm.parallel_model import parallelize_model
 from tabfm.parallel import comm
 from tabfm.parallel.layers import ParallelLayerNorm
 from tabfm.precision import make_optimizer, matmul_precision, param_groups
