@@ -159,13 +159,12 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _fuse_residual_norms(model: nn.Module) -> None:
-    """Every dense.Block whose norm2 is now a ParallelLayerNorm becomes a ParallelBlock (the same modules)."""
+    """Every dense.Block whose norm2 is now a ParallelLayerNorm becomes a ParallelBlock (the same modules). A root
+    Block cannot be swapped; it adds the residual before its norm, which gives the same result unfused."""
     blocks = [name for name, m in model.named_modules()
-              if type(m) is dense.Block and isinstance(m.norm2, ParallelLayerNorm)]
+              if name and type(m) is dense.Block and isinstance(m.norm2, ParallelLayerNorm)]
     for name in blocks:
-        new = ParallelBlock(model.get_submodule(name))
-        if name:
-            _replace(model, name, new)
+        _replace(model, name, ParallelBlock(model.get_submodule(name)))
 
 
 class RegionBoundary:
