@@ -1,0 +1,207 @@
+"""The GPU recipe across short leases (benchmarks/gpu_recipe.sh, benchmarks/gpu_state.py), on CPU with the tiny
+model: the state file packs a checkpoint folder bit-exactly and a run resumed from it continues exactly; the
+script's dry run writes the expected files and its next invocation resumes the state it left, across the stage
+boundary; a new default is adopted only when it scores better."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tabfm import checkpoint as ckpt
+from tabfm.config import load_config, to_dict
+from tabfm.model import build_model
+from tabfm.pretrain import train
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("gpu_state", ROOT / "benchmarks" / "gpu_state.py")
+gpu_state = sys.modules["gpu_state"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
+_spec.loader.exec_module(gpu_state)
+
+TINY = ["data.batch_size=2", "data.num_workers=0", "data.table.min_rows=24", "data.table.max_rows=40",
+        "data.table.max_features=5", "train.eval_every=0", "train.precision=fp32", "train.progress=false",
+        "train.log_every=1", "optim.warmup_steps=2"]
+"""Overrides that make any recipe config a few-millisecond-per-step CPU run."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The shared 2-core machine: more threads only contend (a tiny step takes 0.1 s instead of 1-3 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_run(out_dir: Path, steps: int, every: int):
+    """The tiny recipe's config: `steps` steps, a checkpoint every `every`, all kept."""
+    return load_config(ROOT / "configs/pretrain/tiny.yaml",
+                       [*TINY, f"train.steps={steps}", f"train.checkpoint_every={every}", "train.keep_checkpoints=0",
+                        f"train.out_dir={out_dir}"])
+
+
+def test_stage_configs_differ_only_in_rows_and_share_one_schedule():
+    one, two = (load_config(ROOT / f"configs/pretrain/{n}.yaml") for n in ("gpu", "gpu_stage2"))
+    a, b = to_dict(one), to_dict(two)
+    assert a["data"]["table"].pop("max_rows") == 1024 and b["data"]["table"].pop("max_rows") == 2048
+    assert a == b
+    assert one.model == load_config(ROOT / "configs/pretrain/small.yaml").model  # continues the shipped model
+    t = one.data.table
+    assert (t.max_features, 0 < t.regression_prob < 1, one.data.batch_size, one.train.precision) == (100, True, 16,
+                                                                                                      "bf16")
+    stages = gpu_state.parse_stages(["configs/pretrain/gpu.yaml:0", "configs/pretrain/gpu_stage2.yaml:1500"])
+    assert len(gpu_state.stage_configs(stages, [], ROOT)) == 2  # one schedule; a checkpoint lands on 1500
+    assert gpu_state.stage_at(stages, 1499) == (stages[0], 1500) and gpu_state.stage_at(stages, 1500) == (stages[1],
+                                                                                                           None)
+    with pytest.raises(ValueError, match="multiple of train.checkpoint_every"):
+        gpu_state.stage_configs([stages[0], gpu_state.Stage(stages[1].config, 1510)], [], ROOT)
+    with pytest.raises(ValueError, match="share one schedule"):
+        gpu_state.stage_configs([stages[0], gpu_state.Stage("configs/pretrain/small.yaml", 1500)], [], ROOT)
+
+
+def test_pack_unpack_is_bit_exact_and_resumes_like_an_uninterrupted_run(tmp_path):
+    full = train(_tiny_run(tmp_path / "full", 6, 3))
+    step3 = tmp_path / "full/checkpoints/step_0000003"
+    state = tmp_path / "state.safetensors"
+    info = gpu_state.pack(step3, state)
+    assert info["step"] == 3 and info["data_position"]["next_step"] == 3
+
+    folder = gpu_state.unpack(state, tmp_path / "resumed")
+    assert folder.name == "step_0000003" and ckpt.latest_checkpoint(tmp_path / "resumed") == folder
+    for f in step3.iterdir():
+        assert (folder / f.name).read_bytes() == f.read_bytes()  # bit-exact: the manifest's checksums hold
+
+    resumed = train(_tiny_run(tmp_path / "resumed", 6, 3), resume="auto")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+    a = load_file(tmp_path / "full/checkpoints/step_0000006/rank000.safetensors")
+    b = load_file(tmp_path / "resumed/checkpoints/step_0000006/rank000.safetensors")
+    assert a.keys() == b.keys() and any(k.startswith("optim/") for k in a)
+    # Weights and AdamW state alike. Not rng/torch_cpu: a resumed run makes its DataLoader after restoring the
+    # RNG and the DataLoader draws a base seed from it (nothing in a step draws from it: the losses agree).
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("rng/"))
+
+
+def test_damaged_state_and_occupied_run_folder_are_refused(tmp_path):
+    train(_tiny_run(tmp_path / "run", 2, 2))
+    state = tmp_path / "state.safetensors"
+    gpu_state.pack(tmp_path / "run/checkpoints/step_0000002", state)
+    with pytest.raises(ValueError, match="already holds a run"):
+        gpu_state.unpack(state, tmp_path / "run")
+    data = bytearray(state.read_bytes())
+    data[-100] ^= 0xFF  # a bit of the rank file's bytes, near the end
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        gpu_state.unpack(bad, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()  # nothing written
+    assert gpu_state.main(["unpack", str(bad), str(tmp_path / "fresh")]) == 2
+
+
+def _accuracy_csv(path: Path, roc: float, logloss: float, r2: float) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["dataset", "task", "model", "n_folds", "roc_auc_mean", "log_loss_mean", "r2_mean", "failed_folds",
+                    "error"])
+        w.writerow(["a", "binary", "tabfm", 1, roc, logloss, "", 0, ""])
+        w.writerow(["a", "binary", "logreg", 1, 0.99, 0.1, "", 0, ""])  # baselines do not count
+        w.writerow(["b", "regression", "tabfm", 1, "", "", r2, 0, ""])
+    return path
+
+
+def test_decide_needs_no_metric_worse_and_one_better(tmp_path):
+    base = _accuracy_csv(tmp_path / "base.csv", 0.90, 0.30, 0.50)
+    assert gpu_state.decide(_accuracy_csv(tmp_path / "c1.csv", 0.91, 0.30, 0.50), base)[0]
+    assert not gpu_state.decide(_accuracy_csv(tmp_path / "c2.csv", 0.91, 0.31, 0.50), base)[0]  # log-loss worse
+    assert not gpu_state.decide(_accuracy_csv(tmp_path / "c3.csv", 0.90, 0.30, 0.50), base)[0]  # nothing better
+    assert not gpu_state.decide(_accuracy_csv(tmp_path / "c4.csv", 0.95, 0.20, 0.49), base)[0]  # R^2 worse
+    other = tmp_path / "other.csv"
+    other.write_text(base.read_text().replace("b,regression", "c,regression"))
+    with pytest.raises(ValueError, match="different tables"):
+        gpu_state.decide(other, base)
+
+
+STAGES = "configs/pretrain/gpu.yaml:0 configs/pretrain/gpu_stage2.yaml:4"
+DRY_SET = ["model=tiny", *TINY, "train.steps=20", "train.checkpoint_every=2"]
+"""The dry run: the tiny model, a schedule of 20 steps, stage 2 from step 4, 4 steps per leg."""
+
+
+def _expect_out(out: Path) -> dict:
+    assert {"state.safetensors", "state.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    return json.loads((out / "state.json").read_text())
+
+
+def _run_script(tmp_path: Path, out: Path, init: Path) -> dict:
+    """benchmarks/gpu_recipe.sh in its CPU dry mode: no throughput table, no accuracy check."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out), "WORK": str(tmp_path / "work"),
+           "STATE_DIR": str(tmp_path / "state"), "DEVICE": "cpu", "BUDGET_S": "300", "THROUGHPUT_S": "0",
+           "EVAL_S": "0", "FINISH_S": "0", "MIN_SEGMENT_S": "0", "SAVE_EVERY_S": "0", "LEG_STEPS": "4",
+           "INIT_FROM": str(init), "STAGES": STAGES, "SET": " ".join(DRY_SET)}
+    proc = subprocess.run(["bash", "benchmarks/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"state.safetensors", "state.json", "model.safetensors",
+                                               "logs.tar.gz"}
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"./session.log", "./train.log", "./metrics.jsonl"} <= set(tar.getnames())
+    return _expect_out(out)
+
+
+def _run_leg(tmp_path: Path, out: Path, init: Path, monkeypatch) -> dict:
+    """The script's leg step with the same settings, in this process (one torch import fewer: the test's time)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    shutil.rmtree(tmp_path / "work/run")
+    args = ["leg", "--state-dir", str(tmp_path / "state"), "--run", str(tmp_path / "work/run"), "--out", str(out),
+            "--deadline", str(time.time() + 240), "--device", "cpu", "--init-from", str(init), "--leg-steps", "4",
+            "--min-segment-s", "0", "--save-every-s", "0", *(a for st in STAGES.split() for a in ("--stage", st)),
+            "--set", *DRY_SET]
+    assert gpu_state.main(args) == 0
+    return _expect_out(out)
+
+
+def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_path, monkeypatch):
+    init = tmp_path / "init.safetensors"  # stands in for the shipped weights: the recipe's step 0
+    model = build_model(load_config(ROOT / "configs/pretrain/tiny.yaml").model, seed=7)
+    ckpt.merge(ckpt.save_checkpoint(tmp_path / "init_ckpt", model), init)
+    weights = tmp_path / "default.safetensors"
+    shutil.copy(init, weights)
+
+    first = _run_script(tmp_path, tmp_path / "out1", init)
+    assert first["step"] == 4 and first["data_position"]["next_step"] == 4 and first["tables_seen"] == 8
+    (leg,) = first["legs"]
+    assert (leg["from_step"], leg["to_step"], leg["stopped"]) == (0, 4, "leg_steps")
+    assert [(s["config"], s["from"], s["to"]) for s in leg["segments"]] == [("configs/pretrain/gpu.yaml", 0, 4)]
+    assert ckpt.load_merged(tmp_path / "out1/model.safetensors")[1].keys() == load_file(init).keys()
+
+    better = _accuracy_csv(tmp_path / "better.csv", 0.95, 0.2, 0.6)
+    worse = _accuracy_csv(tmp_path / "worse.csv", 0.90, 0.3, 0.5)
+    adopt = ["adopt", str(tmp_path / "out1"), "--state-dir", str(tmp_path / "state"), "--weights", str(weights)]
+    assert gpu_state.main([*adopt, "--candidate-csv", str(worse), "--default-csv", str(better), "--apply"]) == 0
+    assert weights.read_bytes() == init.read_bytes()  # not better: the default stays
+    kept = json.loads((tmp_path / "state/state.json").read_text())
+    assert kept["legs"][0]["default_replaced"] is False and kept["legs"][0]["accuracy"]["candidate"]["tables"] == 2
+    assert gpu_state.main([*adopt, "--candidate-csv", str(better), "--default-csv", str(worse), "--apply"]) == 2
+    # ^ the same lease again is refused: it does not continue the state now committed
+
+    second = _run_leg(tmp_path, tmp_path / "out2", init, monkeypatch)
+    assert second["legs"][0] == kept["legs"][0]  # the committed history, carried on
+    leg2 = second["legs"][1]
+    assert (second["step"], second["tables_seen"], leg2["from_step"], leg2["to_step"]) == (8, 16, 4, 8)
+    assert [(s["config"], s["from"], s["to"]) for s in leg2["segments"]] == [("configs/pretrain/gpu_stage2.yaml", 4,
+                                                                              8)]
+    adopt[1] = str(tmp_path / "out2")
+    assert gpu_state.main([*adopt, "--candidate-csv", str(better), "--default-csv", str(worse), "--apply"]) == 0
+    assert weights.read_bytes() == (tmp_path / "out2/model.safetensors").read_bytes()  # better: replaced
+    assert gpu_state.committed(tmp_path / "state")[0]["step"] == 8
