@@ -82,7 +82,7 @@ MODELS = ("tabfm", "logreg", "ridge", "rf", "hgb", "knn")
 CLASSIFIERS = ("tabfm", "logreg", "rf", "hgb", "knn")
 REGRESSORS = ("tabfm", "ridge", "rf", "hgb", "knn")
 CLS_METRICS = ("roc_auc", "accuracy", "log_loss")
-REG_METRICS = ("r2", "rmse")
+REG_METRICS = ("r2", "rmse", "cover80")
 
 
 @dataclass
@@ -273,9 +273,13 @@ def run_fold(t: RealTable, k: int, models: list[str], ours: dict[str, Any], resu
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                pred = fit_predict(make_model(model, t, ours), model, t, train, test)
+                est = make_model(model, t, ours)
+                pred = fit_predict(est, model, t, train, test)
+                metrics = fold_metrics(t, t.y[test], pred)
+                if model == "tabfm" and not t.is_classification:  # the predictive distribution's 80% interval
+                    lo, hi = est.predict_quantiles(t.X[test.tolist()], [0.1, 0.9]).T
+                    metrics["cover80"] = float(np.mean((t.y[test] >= lo) & (t.y[test] <= hi)))
             res.warnings.update(f"{w.category.__name__}: {str(w.message).splitlines()[0][:100]}" for w in caught)
-            metrics = fold_metrics(t, t.y[test], pred)
         except Exception as e:  # noqa: BLE001 -- a failing model is reported, not fatal
             res.error = res.error or f"fold {k}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             res.n_failed_folds += 1
@@ -334,6 +338,10 @@ def summary_tables(cls: dict[str, dict[str, Result]], reg: dict[str, dict[str, R
             means[f"{m}/r2"] = r2
             secs = sum(r[m].seconds for r in reg.values())
             lines.append(f"| {m} | {_f(r2)} | {_f(rmse, 3)} | {_f(rank[m], 2)} | {n}/{len(reg)} | {secs:.1f} |")
+        cover, n_cover = _mean_over_tables({k: v for k, v in reg.items() if "tabfm" in v}, "tabfm", "cover80")
+        if n_cover:
+            lines += ["", f"tabfm's 80% predictive interval (quantiles 0.1 and 0.9) holds {cover:.1%} of the test "
+                      f"targets (mean over {n_cover} tables; nominal 80%)"]
         lines.append("")
     return lines, means
 
@@ -415,8 +423,8 @@ def write_csv(path: Path, tables: dict[str, RealTable], per_table: dict[str, dic
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["dataset", "suite", "task", "model", "n_rows", "n_features", "n_classes", "n_folds",
-                    "roc_auc_mean", "accuracy_mean", "log_loss_mean", "r2_mean", "rmse_mean", "seconds",
-                    "failed_folds", "error"])
+                    "roc_auc_mean", "accuracy_mean", "log_loss_mean", "r2_mean", "rmse_mean", "cover80_mean",
+                    "seconds", "failed_folds", "error"])
         for name, results in per_table.items():
             t = tables[name]
             for m, r in results.items():

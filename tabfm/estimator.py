@@ -5,9 +5,12 @@ encodes the train rows once per member (tabfm.inference.encode_context, keys/val
 the test rows, in batches of `batch_size`, against those caches; test rows never see one another, so a
 prediction does not depend on the other rows of X or their order.
 
-Ensemble: member m sees the columns in its own order (member 0: the original order), numeric columns scaled
-"robust" (even m) or "quantile" (odd m), and, for classification, its own permutation of the class ids; the
-members' class probabilities (or, for regression, predictive means) are averaged.
+Ensemble (tabfm.ensemble): member m sees the columns in its own order (member 0: the original order; a random
+subset when max_features is set), numeric columns under its entry of numeric_transforms, categorical columns in
+its entry of categorical_views and, for classification, its own permutation of the class ids; the members' class
+probabilities are averaged (or their log-probabilities, average="logit"). Regression targets are normalised in
+float64 and transformed per member (tabfm.target_transform); each member's binned distribution is mapped back
+to target units exactly, and predict gives the mean of the members' mixture, predict_quantiles its quantiles.
 
 More classes than the model's head (max_classes, 10 for the shipped model): each member gets a random balanced
 code that maps the K classes onto max_classes groups, with enough members (at least n_estimators, at least
@@ -24,20 +27,27 @@ calls fit / predict with the same data and gets the one-process result.
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
-from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
 from tabfm.data.encode import IGNORE_LABEL, Batch
+from tabfm.ensemble import Member, draw_members, member_cells, member_width
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.model import TabFM
-from tabfm.preprocess import SCALINGS, Cells, TablePreprocessor, check_table_shape
+from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
+from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
+                                    sub_edges)
+from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
+                              resolve_dtype, torch_threads)
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "tabfm-small.safetensors"
 CONTEXT_CELL_BUDGET = 1 << 22
@@ -49,25 +59,6 @@ CALIBRATION_ROWS = 1000
 
 _MODELS: dict[tuple, TabFM] = {}  # loaded plain models, shared by estimators (weights are read-only here)
 _MESHES: dict[tuple, Any] = {}
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
-    return device
-
-
-def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)} or a torch.dtype, got {dtype!r}")
-    return names[dtype]
 
 
 def _mesh(d0: int, d1: int, device: torch.device):
@@ -104,6 +95,21 @@ def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dt
     return load_model(path, _mesh(d0, d1, device), sequence_parallel, dtype=dtype).to(device).eval()
 
 
+def _threaded(method):
+    """Run an estimator method with torch's (and BLAS's) threads set by the estimator's n_jobs, restored after."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch_threads(self.n_jobs):
+            return method(self, *args, **kwargs)
+    return run
+
+
+_VIEW_LIST = [tuple, list, str]
+_BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _VIEW_LIST,
+                     "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None]}
+_BASE_CONSTRAINTS.pop("calibrate")
+
+
 def class_codes(n_classes: int, n_groups: int, n_codes: int, rng: np.random.Generator) -> np.ndarray:
     """[n_codes, n_classes] group of each class per code: balanced random codes (a permutation when
     n_classes <= n_groups), redrawn until every pair of classes is separated by at least one code."""
@@ -123,13 +129,19 @@ class _TabFMBase(BaseEstimator):
     """What the classifier and the regressor share: input checks, the ensemble, caches, batched prediction."""
 
     _task: str = ""
+    _parameter_constraints: dict = _BASE_CONSTRAINTS
 
-    def __init__(self, n_estimators: int = 4, *, checkpoint: str | Path | None = None,
-                 categorical_features: str | list[int | str] = "auto", max_context_rows: int | None = None,
-                 batch_size: int = 1024, device: str = "cpu", dtype: str = "float32",
-                 tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True,
-                 random_state: int | None = 0, verbose: bool = False):
+    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = None,
+                 checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
+                 max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
+                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 n_jobs: int | None = None):
         self.n_estimators = n_estimators
+        self.numeric_transforms = numeric_transforms
+        self.categorical_views = categorical_views
+        self.max_features = max_features
         self.checkpoint = checkpoint
         self.categorical_features = categorical_features
         self.max_context_rows = max_context_rows
@@ -140,6 +152,7 @@ class _TabFMBase(BaseEstimator):
         self.sequence_parallel = sequence_parallel
         self.random_state = random_state
         self.verbose = verbose
+        self.n_jobs = n_jobs
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -151,34 +164,26 @@ class _TabFMBase(BaseEstimator):
 
     # -- fit ---------------------------------------------------------------------------------------------
 
-    def _check_params(self) -> None:
-        for name in ("n_estimators", "batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_context_rows is not None and (not isinstance(self.max_context_rows, int | np.integer)
-                                                  or self.max_context_rows < 1):
-            raise ValueError(f"max_context_rows must be a positive integer or None, got {self.max_context_rows!r}")
-
     def _prepare(self) -> TabFM:
         """Check the parameters and load the model (before anything is learnt from the data)."""
-        self._check_params()
-        self.device_ = _resolve_device(self.device)
-        self.dtype_ = _resolve_dtype(self.dtype)
+        self.device_ = resolve_device(self.device)
+        self.dtype_ = resolve_dtype(self.dtype)
         return self._model()
 
     def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM) -> None:
         """Preprocess, draw the ensemble and encode the contexts; y is [n] class ids or float targets."""
         validate_data(self, X, reset=True, skip_check_array=True)
-        self.preprocessor_ = TablePreprocessor(self.categorical_features, max_columns=model.config.max_columns).fit(X)
+        transforms = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else self.numeric_transforms
+        self.preprocessor_ = TablePreprocessor(self.categorical_features, max_columns=model.config.max_columns,
+                                               transforms=sorted(set(transforms))).fit(X)
         cells = self.preprocessor_.transform(X)
         if len(y) != len(cells.values):
             raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
         rng = np.random.default_rng(self.random_state)
         n, C = cells.values.shape
         self.n_members_ = n_members
-        self.feature_orders_ = np.stack([np.arange(C)] + [rng.permutation(C) for _ in range(n_members - 1)])
-        self.scalings_ = [SCALINGS[m % len(SCALINGS)] for m in range(n_members)]
+        self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
+                                     self.max_features, rng)
         self.context_rows_ = self._draw_context_rows(n, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
@@ -196,22 +201,28 @@ class _TabFMBase(BaseEstimator):
         return load_estimator_model(self.checkpoint, self.device_, self.dtype_, tp, self.sequence_parallel)
 
     def _member_values(self, cells: Cells, members: np.ndarray, rows: np.ndarray | None = None) -> dict[str, Any]:
-        """Per-member tensors [g, r, C] of the given rows (rows[m] per member, or all rows of `cells`)."""
-        scaled = {kind: self.preprocessor_.scale(cells, kind) for kind in {self.scalings_[m] for m in members}}
-        vals, codes = [], []
+        """Per-member tensors [g, r, C'] of the given rows (rows[m] per member, or all rows of `cells`); the
+        members of one group show the model the same number of columns (see _member_groups)."""
+        scaled: dict[str, np.ndarray] = {}
+        views = []
         for m in members:
-            r = slice(None) if rows is None else rows[m]
-            order = self.feature_orders_[m]
-            vals.append(scaled[self.scalings_[m]][r][:, order])
-            codes.append(cells.codes[r][:, order])
-        values, cat_codes = torch.from_numpy(np.stack(vals)), torch.from_numpy(np.stack(codes))
-        is_cat = torch.from_numpy(cells.is_cat[self.feature_orders_[members]])[:, None, :]
+            member: Member = self.members_[m]
+            sub = cells if rows is None else cells.take(rows[m])
+            if rows is not None:
+                views.append(member_cells(self.preprocessor_, sub, member))
+                continue
+            if member.numeric not in scaled:
+                scaled[member.numeric] = self.preprocessor_.scale(cells, member.numeric)
+            views.append(member_cells(self.preprocessor_, sub, member, scaled[member.numeric]))
+        values = torch.from_numpy(np.stack([v.values for v in views]))
+        cat_codes = torch.from_numpy(np.stack([v.codes for v in views]))
+        is_cat = torch.from_numpy(np.stack([v.is_cat for v in views]))
         return {
             "values": torch.nan_to_num(values, nan=0.0).to(self.dtype_),
-            "missing": torch.where(is_cat, cat_codes < 0, torch.isnan(values)),
+            "missing": torch.where(is_cat[:, None, :], cat_codes < 0, torch.isnan(values)),
             "cat_codes": cat_codes,
-            "is_cat": torch.from_numpy(cells.is_cat[self.feature_orders_[members]]),
-            "n_cats": torch.from_numpy(cells.n_cats[self.feature_orders_[members]]),
+            "is_cat": is_cat,
+            "n_cats": torch.from_numpy(np.stack([v.n_cats for v in views])),
         }
 
     def _batch(self, parts: dict[str, Any], labels: torch.Tensor, n_train: int, n_classes: int) -> Batch:
@@ -221,9 +232,17 @@ class _TabFMBase(BaseEstimator):
                      task=self._task).to(self.device_)
 
     def _member_groups(self) -> list[np.ndarray]:
-        per_member = self.context_rows_.shape[1] * self.train_cells_.values.shape[1]
-        size = max(1, CONTEXT_CELL_BUDGET // max(per_member, 1))
-        return np.array_split(np.arange(self.n_members_), math.ceil(self.n_members_ / size))
+        """Members that share a forward: the same number of columns shown, at most CONTEXT_CELL_BUDGET train
+        cells together."""
+        cells = self.train_cells_
+        max_columns = self.preprocessor_.max_columns
+        widths = np.array([member_width(mem, cells.is_cat, cells.n_cats, max_columns) for mem in self.members_])
+        groups = []
+        for width in np.unique(widths):
+            same = np.flatnonzero(widths == width)
+            size = max(1, CONTEXT_CELL_BUDGET // max(self.context_rows_.shape[1] * int(width), 1))
+            groups += np.array_split(same, math.ceil(len(same) / size))
+        return groups
 
     def _encode_contexts(self) -> None:
         model = self._model()
@@ -235,27 +254,34 @@ class _TabFMBase(BaseEstimator):
             batch = self._batch(parts, labels, self.context_rows_.shape[1], self._n_outputs())
             contexts.append((members, encode_context(model, batch)))
         self.contexts_ = contexts
+        self._contexts_encoded()
+
+    def _contexts_encoded(self) -> None:
+        """Hook: what a subclass reads from freshly encoded contexts."""
 
     # -- predict -----------------------------------------------------------------------------------------
 
-    def _member_outputs(self, X: Any) -> np.ndarray:
-        """[M, n, Y] per-member outputs (class-group log-probabilities, or predictive means [M, n, 1])."""
+    def _predict_cells_of(self, X: Any, finalize) -> np.ndarray:
+        """finalize(member outputs [M, b, Y]) of the rows of X, batch by batch (memory bounded by the batch)."""
         check_is_fitted(self, "preprocessor_")
         check_table_shape(X)
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
-        return self._cell_outputs(self.preprocessor_.transform(X))
+        return self._cell_outputs(self.preprocessor_.transform(X), finalize)
 
-    def _cell_outputs(self, cells: Cells) -> np.ndarray:
+    def _cell_outputs(self, cells: Cells, finalize=None) -> np.ndarray:
+        """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
+        probabilities), or finalize(outputs of each test batch) concatenated over the batches."""
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
         model = self._model()
         n = len(cells.values)
-        out = None
+        results = []
         from tqdm.auto import tqdm
 
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
             sub = cells.take(slice(start, start + self.batch_size))
+            out = None
             for members, context in self.contexts_:
                 parts = self._member_values(sub, members)
                 labels = torch.full(parts["values"].shape[:2], IGNORE_LABEL if self._task == "classification" else 0)
@@ -265,9 +291,10 @@ class _TabFMBase(BaseEstimator):
                 logits = predict_logits(model, context, batch).double()  # decoded in float64 whatever the model's dtype
                 res = self._decode_member(model, context, logits).cpu().numpy()
                 if out is None:
-                    out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
-                out[members, start:start + len(sub.values)] = res
-        return out
+                    out = np.empty((self.n_members_, len(sub.values), res.shape[-1]), np.float64)
+                out[members] = res
+            results.append(out if finalize is None else finalize(out))
+        return np.concatenate(results, axis=0 if finalize is not None else 1)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -278,36 +305,77 @@ class _TabFMBase(BaseEstimator):
 class TabFMClassifier(ClassifierMixin, _TabFMBase):
     """In-context classification with the pretrained tabular model; scikit-learn API.
 
-    Parameters: n_estimators (ensemble members), checkpoint (merged .safetensors or checkpoint folder; None:
-    the shipped model), categorical_features ("auto" or column indices / names), max_context_rows (subsample
-    the train rows per member; None: all), batch_size (test rows per forward), device ("cpu", "cuda", "auto"),
-    dtype ("float32", "float64", "bfloat16"), tensor_parallel ((d0, d1) under torchrun), sequence_parallel,
-    random_state, verbose (a progress bar over test batches), calibrate (fit a softmax temperature on held-out
-    train rows: the shipped model is under-confident, and this costs about one more fit).
+    Parameters
+    ----------
+    n_estimators : int, default=4
+        Ensemble members; each encodes the train rows once at fit and runs every test row at predict, so the
+        cost is linear in members.
+    numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
+        Transforms of the numeric columns, cycled over the members (member m gets entry m % len).
+    categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
+        How categorical columns are shown, cycled over the members: the model's hashed category embedding, the
+        category's code as a number, or 0/1 columns (columns of at most 10 categories). The shipped model reads
+        codes as numbers far better than through its embedding (README, "Accuracy").
+    max_features : int or None, default=None
+        Each member of a table with more kept columns sees a random subset of this many.
+    checkpoint : str, path or None, default=None
+        A merged .safetensors file or a checkpoint folder; None: the shipped model.
+    categorical_features : "auto" or list of int or str, default="auto"
+        Columns to treat as categorical besides strings, booleans and categorical dtypes.
+    max_context_rows : int or None, default=None
+        Subsample the train rows per member; None: all of them.
+    batch_size : int, default=1024
+        Test rows per forward; bounds predict's memory.
+    device : {"cpu", "cuda", "auto"}, default="cpu"
+    dtype : {"float32", "float64", "bfloat16"}, default="float32"
+    tensor_parallel : (d0, d1) or None, default=None
+        Split the model over a d0 x d1 mesh of processes launched by torchrun.
+    sequence_parallel : bool, default=True
+        With tensor_parallel, also split each stage's rows over mesh axis 0.
+    random_state : int or None, default=0
+    verbose : bool, default=False
+        A progress bar over test batches.
+    n_jobs : int or None, default=None
+        Torch (and BLAS) threads during fit and predict, restored after; -1: every core; None: torch's setting.
+        On a busy machine, or under joblib parallelism, 1 is often fastest.
+    average : {"probability", "logit"}, default="probability"
+        Average the members' class probabilities, or their log-probabilities (a geometric mean, renormalised).
+    softmax_temperature : float, default=1.0
+        Divides the members' logits; used when calibrate is False.
+    calibrate : bool, default=True
+        Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
+        other train rows; costs about one more encoding of the train rows.
     """
 
     _task = "classification"
+    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "average": [StrOptions({"probability", "logit"})],
+                                    "softmax_temperature": [Interval(numbers.Real, 0, None, closed="neither")],
+                                    "calibrate": ["boolean"]}
 
-    def __init__(self, n_estimators: int = 4, *, checkpoint: str | Path | None = None,
-                 categorical_features: str | list[int | str] = "auto", max_context_rows: int | None = None,
-                 batch_size: int = 1024, device: str = "cpu", dtype: str = "float32",
-                 tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True,
-                 random_state: int | None = 0, verbose: bool = False, calibrate: bool = True):
-        super().__init__(n_estimators, checkpoint=checkpoint, categorical_features=categorical_features,
-                         max_context_rows=max_context_rows, batch_size=batch_size, device=device, dtype=dtype,
-                         tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-                         random_state=random_state, verbose=verbose)
+    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = None,
+                 checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
+                 max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
+                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 n_jobs: int | None = None, average: str = "probability", softmax_temperature: float = 1.0,
+                 calibrate: bool = True):
+        super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
+                         max_features=max_features, checkpoint=checkpoint,
+                         categorical_features=categorical_features, max_context_rows=max_context_rows,
+                         batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                         sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
+                         n_jobs=n_jobs)
+        self.average = average
+        self.softmax_temperature = softmax_temperature
         self.calibrate = calibrate
 
+    @_threaded
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
-        """Preprocess and encode the train rows; y: class labels (any hashable values)."""
+        """Preprocess and encode the train rows; y: class labels (any hashable values of one kind)."""
+        self._validate_params()
         check_table_shape(X)
-        y = column_or_1d(y, warn=True)
-        if y.dtype.kind == "f" and not np.isfinite(y).all():
-            raise ValueError("y holds NaN or inf: drop those rows or give them a class")
-        check_classification_targets(y)
-        if any(v is None for v in y.tolist()):
-            raise ValueError("y holds None: drop those rows or give them a class")
+        y = check_class_labels(y)
         self.classes_, y_ids = np.unique(y, return_inverse=True)
         K = len(self.classes_)
         if K < 2:
@@ -320,12 +388,13 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.random_state))
         self.n_groups_ = min(K, max_classes)
         self._fit_common(X, y_ids.astype(np.int64), n_members, model)
-        self.temperature_ = self._fit_temperature() if self.calibrate else 1.0
+        self.temperature_ = self._fit_temperature() if self.calibrate else float(self.softmax_temperature)
         return self
 
     def _fit_temperature(self) -> float:
         """The softmax temperature that minimises the log-loss of held-out train rows (a stratified 20%, at most
-        1,000 rows) predicted from the other train rows by the same ensemble; 1.0 when too few rows."""
+        1,000 rows) predicted from the other train rows by the same ensemble; the fixed softmax_temperature when
+        too few rows."""
         y, n = self.y_train_, len(self.y_train_)
         rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
         held = []
@@ -336,7 +405,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         if len(held) > CALIBRATION_ROWS:
             held = np.sort(rng.choice(held, CALIBRATION_ROWS, replace=False))
         if len(held) < 10:
-            return 1.0
+            return float(self.softmax_temperature)
         keep = np.setdiff1d(np.arange(n), held)
         probe = copy.copy(self)
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
@@ -351,14 +420,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
         """Members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax temperature."""
         z = logp / temperature
-        groups = np.exp(z - z.max(-1, keepdims=True))
-        groups /= groups.sum(-1, keepdims=True)
-        per_class = np.take_along_axis(groups, self.class_codes_[:, None, :], axis=2)  # [M, n, K]
-        if len(self.classes_) <= self.n_groups_:
-            proba = per_class.mean(0)
-        else:
-            sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in self.class_codes_])
-            logp_c = (np.log(np.clip(per_class, 1e-12, None)) - np.log(sizes)[:, None, :]).mean(0)
+        z = z - z.max(-1, keepdims=True)
+        log_groups = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        per_class = np.take_along_axis(log_groups, self.class_codes_[:, None, :], axis=2)  # [M, n, K] log p_m
+        if len(self.classes_) <= self.n_groups_ and self.average == "probability":
+            proba = np.exp(per_class).mean(0)
+        else:  # geometric mean; with more classes than groups each group's mass is shared by its classes
+            if len(self.classes_) > self.n_groups_:
+                sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in self.class_codes_])
+                per_class = per_class - np.log(sizes)[:, None, :]
+            logp_c = per_class.mean(0)
             proba = np.exp(logp_c - logp_c.max(1, keepdims=True))
         return proba / proba.sum(1, keepdims=True)
 
@@ -371,9 +442,10 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
         return logits[..., :self.n_groups_].log_softmax(-1)
 
+    @_threaded
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
-        return self._combine(self._member_outputs(X), self.temperature_)
+        return self._predict_cells_of(X, lambda logp: self._combine(logp, self.temperature_))
 
     def predict_log_proba(self, X: Any) -> np.ndarray:
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))
@@ -384,13 +456,42 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
 
 class TabFMRegressor(RegressorMixin, _TabFMBase):
-    """In-context regression with the pretrained tabular model; scikit-learn API. predict gives the mean of
-    the model's predictive distribution, averaged over the ensemble. Parameters as TabFMClassifier."""
+    """In-context regression with the pretrained tabular model; scikit-learn API.
+
+    The targets are normalised in float64 before the model (any magnitude works) and, per member, transformed
+    (tabfm.target_transform); each member's predicted distribution is mapped back to target units exactly.
+    `predict` gives the mean of the members' mixture, `predict_quantiles` its quantiles.
+
+    Parameters are those of TabFMClassifier (without average, softmax_temperature, calibrate), and:
+
+    target_transforms : tuple of {"none", "power", "quantile"}, default=("none", "power")
+        Transforms of the (normalised) target, cycled over the members.
+    """
 
     _task = "regression"
+    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST}
 
+    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = None,
+                 checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
+                 max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
+                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 n_jobs: int | None = None, target_transforms: tuple[str, ...] = ("none", "power")):
+        super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
+                         max_features=max_features, checkpoint=checkpoint,
+                         categorical_features=categorical_features, max_context_rows=max_context_rows,
+                         batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                         sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
+                         n_jobs=n_jobs)
+        self.target_transforms = target_transforms
+
+    @_threaded
     def fit(self, X: Any, y: Any) -> TabFMRegressor:
-        """Preprocess and encode the train rows; y: real targets."""
+        """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
+        from tabfm.target_transform import TARGET_TRANSFORMS
+
+        self._validate_params()
         check_table_shape(X)
         y = column_or_1d(y, warn=True)
         try:
@@ -399,20 +500,59 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             raise ValueError("y must hold numbers for a regressor (use TabFMClassifier for labels)") from None
         if not np.isfinite(y).all():
             raise ValueError("y holds NaN or inf: drop those rows or fill in their targets")
-        self._fit_common(X, y, self.n_estimators, self._prepare())
+        kinds = (self.target_transforms,) if isinstance(self.target_transforms, str) else tuple(self.target_transforms)
+        if not kinds or any(k not in TARGET_TRANSFORMS for k in kinds):
+            raise ValueError(f"target_transforms must be a non-empty list of {list(TARGET_TRANSFORMS)}, "
+                             f"got {self.target_transforms!r}")
+        model = self._prepare()
+        self.target_scale_ = TargetScale.fit(y)
+        u = self.target_scale_.forward(y)
+        self.target_maps_ = [TargetTransform(kinds[m % len(kinds)]).fit(u) for m in range(self.n_estimators)]
+        self._fit_common(X, y, self.n_estimators, model)
         return self
 
     def _n_outputs(self) -> int:
         return 0
 
     def _member_labels(self, m: int, y: np.ndarray) -> np.ndarray:
-        return y
+        return self.target_maps_[m].transform(self.target_scale_.forward(y)).astype(np.float64)
 
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
-        return model.regression_mean(context.target_stats, logits).unsqueeze(-1)
+        return logits.softmax(-1)  # bin probabilities [g, n, num_bins]
 
+    def _contexts_encoded(self) -> None:
+        """Each member's bins in target units: the model's bin edges over its standardised labels, through the
+        member's train-label statistics (as the model computed them), its target map and the float64 scale."""
+        model = self._model()
+        edges = model.bin_edges().double().cpu().numpy()
+        stats = np.empty((self.n_members_, 2))
+        for members, context in self.contexts_:
+            mean, std = context.target_stats
+            stats[members, 0] = mean.double().cpu().numpy()[:, 0]
+            stats[members, 1] = std.double().cpu().numpy()[:, 0]
+        points, edges_y = [], []
+        for m in range(self.n_members_):
+            to_y = lambda z, m=m: self.target_scale_.inverse(self.target_maps_[m].inverse(z * stats[m, 1] + stats[m, 0]))  # noqa: E731
+            points.append(to_y(bin_points(edges)))
+            edges_y.append(np.maximum.accumulate(to_y(sub_edges(edges))))
+        self.bin_points_y_, self.bin_edges_y_ = np.stack(points), edges_y
+
+    def _mean_of(self, probs: np.ndarray) -> np.ndarray:
+        return np.mean([mapped_mean(probs[m], self.bin_points_y_[m]) for m in range(self.n_members_)], axis=0)
+
+    @_threaded
     def predict(self, X: Any) -> np.ndarray:
-        """[n] predicted targets."""
-        return self._member_outputs(X)[..., 0].mean(0)
+        """[n] predicted targets: the mean of the ensemble's predictive distribution."""
+        return self._predict_cells_of(X, self._mean_of)
 
-
+    @_threaded
+    def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
+        """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
+        members'), in target units."""
+        q = np.atleast_1d(np.asarray(quantiles, np.float64))
+        if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
+            raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
+        if self.contexts_ is None:
+            self._encode_contexts()
+        return self._predict_cells_of(
+            X, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))

@@ -9,9 +9,11 @@
     constant     a column with one value and no missing cell carries nothing and is dropped at fit
     categories   the train rows' categories, sorted as strings, are codes 0..n-1; a category first seen at
                  predict is a missing cell
-    scaling      numeric columns are rescaled per ensemble member, "robust" (median / interquartile range, then a
-                 soft clip at +-4 so an outlier cannot dominate the model's train-row mean and deviation) or
-                 "quantile" (train-row quantiles mapped to a standard normal), both from scikit-learn
+    scaling      numeric columns are transformed per ensemble member: "none" (only standardised with the train
+                 rows' mean and deviation, in float64: the model standardises each column that way anyway), "robust" (median / interquartile range, then
+                 a soft clip at +-4 so an outlier cannot dominate the model's train-row mean and deviation),
+                 "quantile" (train-row quantiles mapped to a standard normal) or "power" (standardised, then
+                 Yeo-Johnson towards a normal shape), all from scikit-learn
 
 `TablePreprocessor.fit(X)` learns the columns; `transform(X)` gives `Cells` with raw numeric values (NaN where
 missing) and category codes; `scale(values, kind)` applies a scaling fitted at fit.
@@ -28,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-SCALINGS = ("robust", "quantile")
+NUMERIC_TRANSFORMS = ("none", "robust", "quantile", "power")
+SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
 
 
@@ -265,9 +268,11 @@ def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
 class TablePreprocessor:
     """Learns the columns of the train rows; see the module docstring for the rules."""
 
-    def __init__(self, categorical_features: str | Sequence[int | str] = "auto", max_columns: int | None = None):
+    def __init__(self, categorical_features: str | Sequence[int | str] = "auto", max_columns: int | None = None,
+                 transforms: Sequence[str] = NUMERIC_TRANSFORMS):
         self.categorical_features = categorical_features
         self.max_columns = max_columns
+        self.transforms = tuple(transforms)
 
     def _forced(self, names: list[str]) -> set[int]:
         if isinstance(self.categorical_features, str):
@@ -318,17 +323,32 @@ class TablePreprocessor:
                              "SelectKBest) or use a model with a larger max_columns")
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
-        self.scalers_ = {kind: self._fit_scaler(kind, numeric) for kind in SCALINGS}
+        # each column divided by its largest train magnitude first: every transform below is scale-free, and
+        # values near float64's limits (1e308) no longer overflow a variance or a float32 cast
+        peak = np.nanmax(np.abs(numeric), axis=0, initial=0.0) if numeric.size else np.zeros(numeric.shape[1])
+        self.peak_ = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
+        self.scalers_ = {kind: self._fit_scaler(kind, numeric / self.peak_) for kind in self.transforms}
         return self
 
     @staticmethod
     def _fit_scaler(kind: str, numeric: np.ndarray) -> Any:
-        from sklearn.preprocessing import QuantileTransformer, RobustScaler
+        import warnings
 
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import PowerTransformer, QuantileTransformer, RobustScaler, StandardScaler
+
+        if kind not in NUMERIC_TRANSFORMS:
+            raise ValueError(f"unknown numeric transform {kind!r}; choose from {NUMERIC_TRANSFORMS}")
         if numeric.shape[1] == 0:
             return None
+        if kind == "none":  # what the model does to every column anyway, done here in float64 (no lost digits)
+            return StandardScaler().fit(numeric)
         if kind == "robust":
             return RobustScaler(unit_variance=False).fit(numeric)
+        if kind == "power":  # standardised first: Yeo-Johnson's lambda search overflows on large raw values
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return make_pipeline(StandardScaler(), PowerTransformer(method="yeo-johnson")).fit(numeric)
         return QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(numeric))),
                                    subsample=None, random_state=0).fit(numeric)
 
@@ -363,13 +383,20 @@ class TablePreprocessor:
         return Cells(values, codes, is_cat, n_cats)
 
     def scale(self, cells: Cells, kind: str) -> np.ndarray:
-        """The numeric values [n, C] under one of SCALINGS (NaN stays NaN; categorical columns stay NaN)."""
-        if kind not in SCALINGS:
-            raise ValueError(f"unknown scaling {kind!r}; choose from {SCALINGS}")
+        """The numeric values [n, C] under one of the fitted transforms (NaN stays NaN; categorical columns stay
+        NaN)."""
+        if kind not in self.scalers_:
+            raise ValueError(f"numeric transform {kind!r} was not fitted; fitted: {sorted(self.scalers_)}")
         out = cells.values.copy()
         numeric = [j for j, c in enumerate(self.columns_) if c.kind == "numeric"]
         if numeric:
-            scaled = self.scalers_[kind].transform(cells.values[:, numeric])
+            out[:, numeric] = cells.values[:, numeric] / self.peak_
+        if numeric and self.scalers_[kind] is not None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                scaled = self.scalers_[kind].transform(out[:, numeric])
             if kind == "robust":
                 scaled = SOFT_CLIP * np.tanh(scaled / SOFT_CLIP)
             out[:, numeric] = scaled

@@ -130,8 +130,6 @@ def test_fit_predict_on_odd_tables(task, data):
     _run(X, _labels(data.draw, n, task), task)
 
 
-@pytest.mark.xfail(strict=True, reason="needs a fix in the numeric transforms: 'none' (and 'power') hand huge values "
-                                       "to the float32 model, whose own standardisation then overflows to inf / NaN")
 @pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
 @pytest.mark.parametrize("huge, missing", [(1.7e308, False), (1e30, True)])
 def test_huge_magnitudes_predict_finitely(Est, huge, missing):

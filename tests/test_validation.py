@@ -302,19 +302,34 @@ def test_estimator_refuses_duplicate_names_and_complex_by_name():
         TabFMClassifier(n_estimators=1).fit(df.assign(x=df["x"] + 1j), y)
 
 
-WIRING = pytest.mark.xfail(strict=True, reason="needs wiring in estimator.py")
-
-
-@WIRING
 def test_estimator_missing_labels_wired():
     df, y = _frame()
     with pytest.raises(ValueError, match="y holds missing labels"):
         TabFMClassifier(n_estimators=1).fit(df, np.where(y == 1, "yes", None))
 
 
-@WIRING
-@pytest.mark.parametrize("params", [{"device": "gpu"}, {"n_estimators": True}, {"random_state": -1}])
+@pytest.mark.parametrize("params", [{"device": "gpu"}, {"n_estimators": True}, {"random_state": -1},
+                                    {"average": "mean"}, {"max_features": 0}, {"numeric_transforms": 3}])
 def test_estimator_parameters_wired(params):
     df, y = _frame()
     with pytest.raises(ValueError, match=r"use 'cuda'|The '\w+' parameter of TabFMClassifier"):
         TabFMClassifier(**params).fit(df, y)
+
+
+def test_estimator_n_jobs_sets_threads_only_during_fit_and_predict(monkeypatch):
+    import torch
+
+    df, y = _frame()
+    seen = []
+    real = TabFMClassifier._fit_common
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TabFMClassifier, "_fit_common", spy)
+    before = torch.get_num_threads()
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1).fit(df, y)
+    assert seen == [1] and torch.get_num_threads() == before
+    clf.predict_proba(df)
+    assert torch.get_num_threads() == before

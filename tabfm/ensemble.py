@@ -1,0 +1,151 @@
+"""The ensemble's members: how each one sees the table, drawn once at fit.
+
+A member is a view of the preprocessed table (tabfm.preprocess.Cells), so the members disagree in ways the
+pretrained model is not invariant to and their average is better than any one of them:
+
+    columns      the kept columns in the member's own order (member 0: the original order); when a table has
+                 more columns than `max_features`, each member sees a random subset of that many, chosen so
+                 that every column is seen by some member where the members allow it
+    numeric      the transform of the numeric columns: "none" (the raw values; the model standardises each
+                 column with its train-row mean and deviation), "robust", "quantile" or "power" (see
+                 tabfm.preprocess.NUMERIC_TRANSFORMS)
+    categorical  how categorical columns are shown: "embed" (the model's hashed category embedding), "ordinal"
+                 (the category's code as a number) or "onehot" (one 0/1 numeric column per category, one for a
+                 binary column; columns of more than ONEHOT_MAX_CATEGORIES categories, or a view that would pass
+                 the model's column limit, stay "embed")
+
+`member_cells` turns a member and the cells of some rows into the arrays the model takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tabfm.preprocess import NUMERIC_TRANSFORMS, Cells, TablePreprocessor
+
+CATEGORICAL_VIEWS = ("embed", "ordinal", "onehot")
+ONEHOT_MAX_CATEGORIES = 10
+"""Most categories a column may have to be shown one-hot; wider columns keep the category embedding."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """How one ensemble member sees the table."""
+
+    columns: np.ndarray
+    """[C_m] positions of the kept columns (tabfm.preprocess.Cells), in the member's order."""
+    numeric: str
+    categorical: str
+
+
+@dataclass
+class MemberCells:
+    """The arrays of one member's view of n rows (C' columns after one-hot expansion)."""
+
+    values: np.ndarray
+    """[n, C'] float64, NaN where missing (and on embedded categorical columns)."""
+    codes: np.ndarray
+    """[n, C'] int64 category codes of embedded categorical columns, -1 elsewhere and where missing."""
+    is_cat: np.ndarray
+    """[C'] bool: the column is shown through the category embedding."""
+    n_cats: np.ndarray
+    """[C'] int64."""
+
+
+def _cycle(options: Sequence[str], allowed: Sequence[str], name: str) -> tuple[str, ...]:
+    options = (options,) if isinstance(options, str) else tuple(options)
+    bad = [o for o in options if o not in allowed]
+    if not options or bad:
+        raise ValueError(f"{name} must be a non-empty list of {list(allowed)}, got {list(options)!r}")
+    return options
+
+
+def _column_subsets(n_members: int, n_columns: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """n_members random subsets of `size` columns, each a random order; consecutive members deal the columns of
+    one shuffled deck, so every column is used before any is used twice."""
+    deck: list[int] = []
+    out = []
+    for _ in range(n_members):
+        chosen: list[int] = []
+        while len(chosen) < size:
+            if not deck:
+                deck = list(rng.permutation(n_columns))
+            c = deck.pop()
+            if c not in chosen:
+                chosen.append(c)
+        out.append(np.asarray(chosen, np.int64))
+    return out
+
+
+def draw_members(n_members: int, n_columns: int, numeric: Sequence[str], categorical: Sequence[str],
+                 max_features: int | None, rng: np.random.Generator) -> list[Member]:
+    """The ensemble's members: column orders (or subsets), and the transforms cycled in the given order."""
+    numeric = _cycle(numeric, NUMERIC_TRANSFORMS, "numeric_transforms")
+    categorical = _cycle(categorical, CATEGORICAL_VIEWS, "categorical_views")
+    if max_features is not None and n_columns > max_features:
+        columns = _column_subsets(n_members, n_columns, max_features, rng)
+    else:
+        columns = [np.arange(n_columns)] + [rng.permutation(n_columns) for _ in range(n_members - 1)]
+    return [Member(columns[m], numeric[m % len(numeric)], categorical[m % len(categorical)])
+            for m in range(n_members)]
+
+
+def _onehot_width(n_cats: int) -> int:
+    return 1 if n_cats == 2 else n_cats
+
+
+def effective_view(member: Member, is_cat: np.ndarray, n_cats: np.ndarray, max_columns: int) -> str:
+    """The categorical view a member really gets: "onehot" falls back to "embed" when the expanded columns
+    would pass the model's column limit."""
+    if member.categorical != "onehot":
+        return member.categorical
+    cols = member.columns
+    wide = sum(_onehot_width(int(n_cats[c])) if is_cat[c] and n_cats[c] <= ONEHOT_MAX_CATEGORIES else 1 for c in cols)
+    return "onehot" if wide <= max_columns else "embed"
+
+
+def member_width(member: Member, is_cat: np.ndarray, n_cats: np.ndarray, max_columns: int) -> int:
+    """C': the number of columns the member shows the model."""
+    if effective_view(member, is_cat, n_cats, max_columns) != "onehot":
+        return len(member.columns)
+    return sum(_onehot_width(int(n_cats[c])) if is_cat[c] and n_cats[c] <= ONEHOT_MAX_CATEGORIES else 1
+               for c in member.columns)
+
+
+def member_cells(pre: TablePreprocessor, cells: Cells, member: Member, scaled: np.ndarray | None = None) -> MemberCells:
+    """The member's view of the rows of `cells`; `scaled` is pre.scale(cells, member.numeric) when the caller
+    has it already (members that share a transform share it)."""
+    scaled = pre.scale(cells, member.numeric) if scaled is None else scaled
+    cols = member.columns
+    limit = pre.max_columns if pre.max_columns is not None else len(cols) * (ONEHOT_MAX_CATEGORIES + 1)
+    view = effective_view(member, cells.is_cat, cells.n_cats, limit)
+    n = len(cells.values)
+    values, codes, is_cat, n_cats = [], [], [], []
+    for c in cols:
+        code = cells.codes[:, c]
+        if not cells.is_cat[c]:
+            values.append(scaled[:, c])
+            codes.append(np.full(n, -1, np.int64))
+            is_cat.append(False)
+            n_cats.append(0)
+        elif view == "ordinal":
+            values.append(np.where(code < 0, np.nan, code.astype(np.float64)))
+            codes.append(np.full(n, -1, np.int64))
+            is_cat.append(False)
+            n_cats.append(0)
+        elif view == "onehot" and cells.n_cats[c] <= ONEHOT_MAX_CATEGORIES:
+            levels = [1] if cells.n_cats[c] == 2 else range(int(cells.n_cats[c]))
+            for k in levels:
+                values.append(np.where(code < 0, np.nan, (code == k).astype(np.float64)))
+                codes.append(np.full(n, -1, np.int64))
+                is_cat.append(False)
+                n_cats.append(0)
+        else:
+            values.append(np.full(n, np.nan))
+            codes.append(code)
+            is_cat.append(True)
+            n_cats.append(int(cells.n_cats[c]))
+    return MemberCells(np.stack(values, 1), np.stack(codes, 1), np.asarray(is_cat, bool), np.asarray(n_cats, np.int64))

@@ -1,0 +1,146 @@
+"""Regression targets: normalised in float64 before the model, transformed per member, mapped back exactly.
+
+The model predicts a binned distribution over the target standardised with its train rows (TabFM.bin_edges,
++-bin_range deviations). What the model is shown, per member:
+
+    y  ->  u = (y - center) / scale          float64, so targets of any magnitude (1e-30 .. 1e300) fit float32
+       ->  t = T_m(u)                        T_m: "none", "power" (Yeo-Johnson) or "quantile" (to a normal),
+                                             fitted on the train targets: skewed or heavy-tailed targets fill
+                                             the bins instead of crowding a few of them
+
+and a predicted distribution over t is mapped back through T_m^-1 at many points inside each bin, so the mean,
+the quantiles and the CDF in target units are those of the model's distribution (within the resolution of
+SUBPOINTS per bin), not of its mean pushed through a non-linear map.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+TARGET_TRANSFORMS = ("none", "power", "quantile")
+SUBPOINTS = 8
+"""Points per bin at which a member's distribution is mapped back to target units."""
+
+
+@dataclass
+class TargetScale:
+    """y = center + scale * u, in float64; `scale` is 1 for a constant target."""
+
+    center: float
+    scale: float
+
+    @classmethod
+    def fit(cls, y: np.ndarray) -> TargetScale:
+        y = np.asarray(y, np.float64)
+        peak = float(np.max(np.abs(y)))
+        if peak == 0:
+            return cls(0.0, 1.0)
+        unit = y / peak  # no overflow in the variance of targets near 1e300
+        center, spread = float(unit.mean()), float(unit.std())
+        return cls(center * peak, spread * peak if spread > 0 else peak)
+
+    def forward(self, y: np.ndarray) -> np.ndarray:
+        return (np.asarray(y, np.float64) - self.center) / self.scale
+
+    def inverse(self, u: np.ndarray) -> np.ndarray:
+        return self.center + self.scale * u
+
+
+class TargetTransform:
+    """A monotone map T of the normalised target, fitted on the train targets, with an inverse defined on the
+    whole real line (values beyond the fitted range map to the range's ends, never to NaN)."""
+
+    def __init__(self, kind: str):
+        if kind not in TARGET_TRANSFORMS:
+            raise ValueError(f"unknown target transform {kind!r}; choose from {TARGET_TRANSFORMS}")
+        self.kind = kind
+
+    def fit(self, u: np.ndarray) -> TargetTransform:
+        from sklearn.preprocessing import PowerTransformer, QuantileTransformer
+
+        u = np.asarray(u, np.float64).reshape(-1, 1)
+        self.impl_ = None
+        if self.kind == "power" and np.ptp(u) > 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                self.impl_ = PowerTransformer(method="yeo-johnson").fit(u)
+        elif self.kind == "quantile" and np.ptp(u) > 0:
+            self.impl_ = QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(u))),
+                                             subsample=None, random_state=0).fit(u)
+        self.u_range_ = (float(u.min()), float(u.max()))
+        return self
+
+    def transform(self, u: np.ndarray) -> np.ndarray:
+        if self.impl_ is None:
+            return np.asarray(u, np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return self.impl_.transform(np.asarray(u, np.float64).reshape(-1, 1)).reshape(np.shape(u))
+
+    def inverse(self, t: np.ndarray) -> np.ndarray:
+        """T^-1 on the whole real line, monotone: where Yeo-Johnson's inverse leaves its domain (NaN) or runs
+        far past the train targets, it is held at the train range widened by its own width on each side (the
+        quantile transform's inverse stays inside the train range by construction)."""
+        t = np.asarray(t, np.float64)
+        if self.impl_ is None:
+            return t
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            u = self.impl_.inverse_transform(t.reshape(-1, 1)).reshape(t.shape)
+        if self.kind == "power":
+            lo, hi = self.u_range_
+            width = hi - lo
+            u = np.where(np.isnan(u), np.where(t > 0, np.inf, -np.inf), u)
+            u = np.clip(u, lo - width, hi + width)
+        return u
+
+
+def bin_points(edges: np.ndarray, subpoints: int = SUBPOINTS) -> np.ndarray:
+    """[num_bins, subpoints] evenly spaced points inside each bin (midpoints of equal sub-intervals)."""
+    lo, hi = edges[:-1, None], edges[1:, None]
+    frac = (np.arange(subpoints) + 0.5) / subpoints
+    return lo + (hi - lo) * frac
+
+
+def sub_edges(edges: np.ndarray, subpoints: int = SUBPOINTS) -> np.ndarray:
+    """[num_bins * subpoints + 1] edges of `subpoints` equal sub-intervals of every bin (bin_points are their
+    midpoints)."""
+    lo, hi = edges[:-1, None], edges[1:, None]
+    inner = lo + (hi - lo) * (np.arange(subpoints) / subpoints)
+    return np.append(inner.ravel(), edges[-1])
+
+
+def mapped_mean(probs: np.ndarray, points_y: np.ndarray) -> np.ndarray:
+    """Mean in target units [n] of a binned distribution probs [n, nb] whose bins' points map to points_y
+    [nb, S] (uniform density inside a bin)."""
+    return probs @ points_y.mean(1)
+
+
+def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.ndarray) -> np.ndarray:
+    """Quantiles [n, Q] of the equal-weight mixture of the members' binned distributions.
+
+    probs[m] [n, nb]: member m's bin probabilities; edges_y[m] [nb * S + 1]: the member's sub-bin edges mapped to
+    target units (monotone). Each member's CDF is linear between its mapped sub-edges; the mixture's CDF is
+    evaluated on the union of all members' edges and inverted by linear interpolation."""
+    grid = np.unique(np.concatenate(edges_y))
+    n = probs[0].shape[0]
+    cdf = np.zeros((n, len(grid)))
+    for p, e in zip(probs, edges_y, strict=True):
+        S = (len(e) - 1) // p.shape[1]
+        sub = np.repeat(p / S, S, axis=1)                                   # [n, nb * S]
+        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(sub, 1)], 1)      # [n, nb * S + 1] at edges e
+        idx = np.clip(np.searchsorted(e, grid, side="right") - 1, 0, len(e) - 2)
+        width = np.maximum(e[idx + 1] - e[idx], 1e-300)
+        frac = np.clip((grid - e[idx]) / width, 0, 1)
+        cdf += cum[:, idx] + (cum[:, idx + 1] - cum[:, idx]) * frac
+    cdf /= len(probs)
+    out = np.empty((n, len(q)))
+    for j, qj in enumerate(np.asarray(q, np.float64)):
+        k = np.clip((cdf < qj).sum(1), 1, len(grid) - 1)                   # first grid point with cdf >= q
+        c0, c1 = cdf[np.arange(n), k - 1], cdf[np.arange(n), k]
+        frac = np.clip((qj - c0) / np.maximum(c1 - c0, 1e-300), 0, 1)
+        out[:, j] = grid[k - 1] + frac * (grid[k] - grid[k - 1])
+    return out
