@@ -208,12 +208,18 @@ def _native(n_num: int, n_cat: int) -> ColumnTransformer:
     ])
 
 
+def _ours(cls: type, ours: dict[str, Any]) -> BaseEstimator:
+    """Our estimator with the run's parameters that it takes (--set may name the other task's parameters)."""
+    valid = cls().get_params()
+    return cls(**{k: v for k, v in ours.items() if k in valid})
+
+
 def make_model(model: str, t: RealTable, ours: dict[str, Any]) -> BaseEstimator:
     """A fresh unfitted model for the table's task."""
     n_num, n_cat = t.n_numeric, t.X_np.shape[1] - t.n_numeric
     cat_mask = [False] * n_num + [True] * n_cat
     if model == "tabfm":
-        return (TabFMClassifier if t.is_classification else TabFMRegressor)(**ours)
+        return _ours(TabFMClassifier if t.is_classification else TabFMRegressor, ours)
     if t.is_classification:
         head = {"logreg": lambda: LogisticRegression(max_iter=1000),
                 "rf": lambda: RandomForestClassifier(n_estimators=500, n_jobs=1, random_state=0),
@@ -504,7 +510,7 @@ def _warm_up(ours: dict[str, Any]) -> None:
     """Load the model once before anything is timed (the estimators share the loaded weights)."""
     rng = np.random.default_rng(0)
     X = rng.normal(size=(16, 2))
-    TabFMClassifier(**ours).fit(X, np.arange(16) % 2).predict_proba(X)
+    _ours(TabFMClassifier, ours).fit(X, np.arange(16) % 2).predict_proba(X)
 
 
 def report(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]], models: list[str],
@@ -592,7 +598,7 @@ def main() -> None:
     curve = learning_curve_lines(tables, ours) if args.learning_curve else []
     elapsed = time.perf_counter() - start_all
 
-    est_params = TabFMClassifier(**ours).get_params()
+    est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
     shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
     lines = [
         f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
