@@ -9,8 +9,8 @@
 #      (configs/pretrain/gpu.yaml from step 0, gpu_stage2.yaml from step 1500) until EVAL_S + FINISH_S seconds
 #      of BUDGET_S are left, packing the state into $OUT every SAVE_EVERY_S so that a lease cut short still
 #      returns one;
-#   3. the quick accuracy check (benchmarks/accuracy.py: tabfm only, fold 0, the stored baselines) of the new
-#      model and of the shipped default, alike, in what is left of EVAL_S;
+#   3. the quick accuracy check (benchmarks/accuracy.py --models tabfm --folds 1: fold 0 of all 56 tables) of the
+#      new model, then of the shipped default, in what is left of EVAL_S (0 skips it: adopt then scores on CPU);
 #   4. $OUT: state.safetensors + state.json (the resumable state: weights, AdamW state, step and data position,
 #      leg history), model.safetensors (the candidate default), accuracy.csv + accuracy_default.csv,
 #      throughput.txt, logs.tar.gz (session, training and evaluation logs, metrics): 7 files of at most ~8 MB.
@@ -28,7 +28,8 @@ WORK=${WORK:-/tmp/tabfm-recipe}
 DEVICE=${DEVICE:-cuda}
 THROUGHPUT_S=${THROUGHPUT_S:-150}
 THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small base --features 64"}
-EVAL_S=${EVAL_S:-90}
+EVAL_S=${EVAL_S:-120}
+EVAL_TABLES=${EVAL_TABLES:-}        # accuracy.py --tables for both sides (default: all 56)
 FINISH_S=${FINISH_S:-45}            # stopping the trainer, the last pack and merge, the log archive
 STAGES=${STAGES:-"configs/pretrain/gpu.yaml:0 configs/pretrain/gpu_stage2.yaml:1500"}
 SET=${SET:-}                        # --set items for every stage (a dry run makes everything tiny)
@@ -80,7 +81,8 @@ if [ "$EVAL_S" -gt 0 ] && [ -f "$OUT/model.safetensors" ]; then
         [ $side = candidate ] && ckpt=(--checkpoint "$OUT/model.safetensors") && csv=accuracy.csv
         log "accuracy of the $side (at most $cap s)"
         timeout -k 5 "$cap" python3 "$REPO/benchmarks/gpu_state.py" score "${ckpt[@]}" --device "$DEVICE" \
-            --out "$WORK/eval/$side" --csv "$OUT/$csv" 2>&1 | tee -a "$OUT/session.log"
+            --out "$WORK/eval/$side" --csv "$OUT/$csv" ${EVAL_TABLES:+--tables "$EVAL_TABLES"} 2>&1 \
+            | tee -a "$OUT/session.log"
     done
     if [ -f "$OUT/accuracy.csv" ] && [ -f "$OUT/accuracy_default.csv" ]; then
         python3 "$REPO/benchmarks/gpu_state.py" decide --candidate "$OUT/accuracy.csv" \

@@ -331,8 +331,9 @@ def _segment_command(leg: Leg, stage: Stage, step: int) -> list[str]:
 
 def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path) -> str:
     """One tabfm.pretrain process of `stage` from the run's latest checkpoint, stopped once a checkpoint at or
-    past `stop_at` lands, or at the last checkpoint before the deadline, or at the deadline. Returns why it
-    stopped: 'stage', 'deadline', 'complete' (the schedule's last step) or 'error: ...'."""
+    past `stop_at` (a stage boundary or the leg's step cap) lands, or at the last checkpoint before the deadline,
+    or at the deadline. Returns why it stopped: 'boundary', 'deadline', 'complete' (the schedule's last step) or
+    'error: ...'."""
     step0 = checkpoint_step(leg.run_dir)
     tic = time.time()
     with open(log, "a") as f:
@@ -354,7 +355,7 @@ def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path) -> str:
             # before the deadline rather than lose the steps after it.
             interval = arrivals[-1] - arrivals[-2] if len(arrivals) > 2 else 0.0
             if step >= stop_at:
-                why = "stage"
+                why = "boundary"
             elif now >= leg.deadline or (landed and now + interval > leg.deadline):
                 why = "deadline"
             elif proc.poll() is not None:
@@ -388,7 +389,7 @@ def run_leg(leg: Leg) -> dict[str, Any]:
             break
         stage, end = stage_at(leg.stages, step)
         why = run_segment(leg, stage, min(end or total, cap, total), leg.out / "train.log")
-        if why in ("stage", "complete") and checkpoint_step(leg.run_dir) <= step:
+        if why in ("boundary", "complete") and checkpoint_step(leg.run_dir) <= step:
             why = f"error: no checkpoint past step {step} ({why}); see train.log"  # e.g. a cap off the grid
         if why.startswith("error") or why == "deadline":
             leg.stopped = why
@@ -592,8 +593,9 @@ def cmd_decide(args: argparse.Namespace) -> int:
 # After a lease: check what came back, score it, keep the state, replace the default only if better
 # ---------------------------------------------------------------------------------------------------------
 
-ACCURACY_ARGS = ["--models", "tabfm", "--reuse-baselines", "stored", "--folds", "1"]
-"""The quick accuracy.py check (one fold of every table, the stored baselines); both sides use the same."""
+ACCURACY_ARGS = ["--models", "tabfm", "--folds", "1"]
+"""The quick accuracy.py check: tabfm alone (the two sides are compared with each other, not with baselines), fold
+0 of every table of both suites; the candidate and the default are scored alike."""
 
 
 def check_returned(files: Path, state_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -614,20 +616,23 @@ def check_returned(files: Path, state_dir: Path) -> tuple[dict[str, Any], dict[s
     return new, old
 
 
-def score(checkpoint: Path | None, out: Path, device: str) -> Path:
-    """Run the quick accuracy.py check on `checkpoint` (None: the shipped weights); returns its accuracy.csv."""
+def score(checkpoint: Path | None, out: Path, device: str, tables: str | None = None) -> Path:
+    """Run the quick accuracy.py check on `checkpoint` (None: the shipped weights), on `tables` (comma-separated;
+    None: all); returns its accuracy.csv."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "accuracy.py"), *ACCURACY_ARGS, "--device", device,
-           "--out", str(out)]
-    if checkpoint is not None:
-        cmd += ["--checkpoint", str(checkpoint)]
+           "--out", str(out), *(["--checkpoint", str(checkpoint)] if checkpoint else []),
+           *(["--tables", tables] if tables else [])]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as e:
+        raise ValueError(f"accuracy.py failed (exit status {e.returncode}); run the command above to see why") from None
     return out / "accuracy.csv"
 
 
 def cmd_score(args: argparse.Namespace) -> int:
     """The quick check of one checkpoint, its accuracy.csv copied to --csv (the lease scores both sides so)."""
-    csv_path = score(Path(args.checkpoint) if args.checkpoint else None, Path(args.out), args.device)
+    csv_path = score(Path(args.checkpoint) if args.checkpoint else None, Path(args.out), args.device, args.tables)
     shutil.copy(csv_path, args.csv)
     print(f"{args.csv}: {mean_scores(read_scores(args.csv))}")
     return 0
@@ -658,6 +663,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         raise ValueError(f"{files} has no model.safetensors; nothing adopted")
     with tempfile.TemporaryDirectory() as tmp:
         cand_csv, default_csv = _scores_for(args, files, new, weights, Path(tmp))
+        print(f"scores: candidate {cand_csv}, default {default_csv}")
         better, report = decide(cand_csv, default_csv)
         leg = new["legs"][-1]
         leg["accuracy"] = {"command": "benchmarks/accuracy.py " + " ".join(ACCURACY_ARGS),
@@ -716,6 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="cpu")
     a.add_argument("--out", required=True, help="accuracy.py's --out folder")
     a.add_argument("--csv", required=True, help="where its accuracy.csv is copied")
+    a.add_argument("--tables", help="only these tables, comma-separated (default: all)")
     a = sub.add_parser("decide", help="exit 0 when --candidate scores better than --default, else 3")
     a.add_argument("--candidate", required=True, help="accuracy.csv of the candidate")
     a.add_argument("--default", required=True, help="accuracy.csv of the shipped default")

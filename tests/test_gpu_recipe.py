@@ -205,3 +205,33 @@ def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_pa
     assert gpu_state.main([*adopt, "--candidate-csv", str(better), "--default-csv", str(worse), "--apply"]) == 0
     assert weights.read_bytes() == (tmp_path / "out2/model.safetensors").read_bytes()  # better: replaced
     assert gpu_state.committed(tmp_path / "state")[0]["step"] == 8
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie nobody reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_leg_stops_its_trainer_and_workers_at_the_deadline(tmp_path, monkeypatch):
+    # A stand-in trainer that ignores SIGINT and starts a "loader worker": both must end by the deadline + grace.
+    fake = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(tmp_path / 'pids')!r}, 'w').write(f'{{w.pid}}'); time.sleep(60)")
+    monkeypatch.setattr(gpu_state, "_segment_command", lambda leg, stage, step: [sys.executable, "-c", fake])
+    stop = gpu_state.stop_process
+    monkeypatch.setattr(gpu_state, "stop_process", lambda proc: stop(proc, grace_s=0.5))
+    stage = gpu_state.Stage("configs/pretrain/gpu.yaml", 0)
+    leg = gpu_state.Leg(repo=ROOT, run_dir=tmp_path / "run", out=tmp_path, deadline=time.time() + 3.0, stages=[stage],
+                        overrides=[], device="cpu", init_from="", leg_steps=0, min_segment_s=0, save_every_s=60,
+                        started=time.time(), history=gpu_state.new_history(""))
+    tic = time.time()
+    assert gpu_state.run_segment(leg, stage, 100, tmp_path / "train.log") == "deadline"
+    assert time.time() - tic < 15
+    assert leg.segments == [{"config": stage.config, "from": 0, "to": 0, "seconds": leg.segments[0]["seconds"],
+                             "stopped": "deadline"}]
+    assert not _alive(int((tmp_path / "pids").read_text()))
+    assert "stopped by the leg driver" in (tmp_path / "train.log").read_text()
+
