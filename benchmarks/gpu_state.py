@@ -127,13 +127,17 @@ def read_state(path: str | Path) -> tuple[int, dict[str, bytes]]:
         if not key.startswith(FILE_PREFIX) or not _FILE_NAME.fullmatch(name) or t.dtype != np.uint8:
             raise ValueError(f"{path} holds {key!r}, not a checkpoint file")
         files[name] = t.tobytes()
-    if "manifest.json" not in files:
-        raise ValueError(f"{path} holds no manifest.json")
-    manifest = json.loads(files["manifest.json"])
-    for name, info in manifest.get("files", {}).items():
-        if name not in files or hashlib.sha256(files[name]).hexdigest() != info.get("sha256"):
-            raise ValueError(f"{path}: {name} is missing or does not match the manifest's checksum")
-    return int(manifest["step"]), files
+    try:
+        manifest = json.loads(files["manifest.json"])
+        step, listed = manifest["step"], {n: i["sha256"] for n, i in manifest["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ValueError(f"{path}: its manifest.json is missing or damaged (no step or file checksums)") from None
+    if not isinstance(step, int) or step < 0 or set(listed) != set(files) - {"manifest.json"}:
+        raise ValueError(f"{path}: its manifest's step or file list does not match the files it holds")
+    for name, digest in listed.items():
+        if hashlib.sha256(files[name]).hexdigest() != digest:
+            raise ValueError(f"{path}: {name} does not match the manifest's checksum")
+    return step, files
 
 
 def unpack(state: str | Path, run_dir: str | Path) -> Path:
@@ -150,11 +154,15 @@ def unpack(state: str | Path, run_dir: str | Path) -> Path:
     folder = root / f"step_{step:07d}"
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True)
-    for name, data in files.items():
-        (tmp / name).write_bytes(data)
+    try:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        ckpt.verify_checkpoint(tmp)  # every check a resume runs, against this code's model
+    except ValueError:
+        shutil.rmtree(tmp)
+        raise
     tmp.rename(folder)
     ckpt.mark_latest(root, folder.name)
-    ckpt.verify_checkpoint(folder)
     return folder
 
 

@@ -147,7 +147,7 @@ def _run_script(tmp_path: Path, out: Path, init: Path) -> dict:
     """benchmarks/gpu_recipe.sh in its CPU dry mode: no throughput table, no accuracy check."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out), "WORK": str(tmp_path / "work"),
            "STATE_DIR": str(tmp_path / "state"), "DEVICE": "cpu", "BUDGET_S": "300", "THROUGHPUT_S": "0",
-           "EVAL_S": "0", "FINISH_S": "0", "MIN_SEGMENT_S": "0", "SAVE_EVERY_S": "0", "LEG_STEPS": "4",
+           "EVAL_S": "0", "FINISH_S": "0", "MIN_SEGMENT_S": "0", "SAVE_EVERY_S": "60", "LEG_STEPS": "4",
            "INIT_FROM": str(init), "STAGES": STAGES, "SET": " ".join(DRY_SET)}
     proc = subprocess.run(["bash", "benchmarks/gpu_recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
@@ -165,7 +165,7 @@ def _run_leg(tmp_path: Path, out: Path, init: Path, monkeypatch) -> dict:
     shutil.rmtree(tmp_path / "work/run")
     args = ["leg", "--state-dir", str(tmp_path / "state"), "--run", str(tmp_path / "work/run"), "--out", str(out),
             "--deadline", str(time.time() + 240), "--device", "cpu", "--init-from", str(init), "--leg-steps", "4",
-            "--min-segment-s", "0", "--save-every-s", "0", *(a for st in STAGES.split() for a in ("--stage", st)),
+            "--min-segment-s", "0", "--save-every-s", "60", *(a for st in STAGES.split() for a in ("--stage", st)),
             "--set", *DRY_SET]
     assert gpu_state.main(args) == 0
     return _expect_out(out)
