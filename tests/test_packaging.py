@@ -50,3 +50,21 @@ def test_installed_wheel_finds_presets_and_weights(tmp_path):
     sizes, score = out.stdout.split("\n")[:2]
     assert sizes == "32 64 nvswitch8"
     assert float(score) > 0.8
+
+
+def test_triton_is_an_extra_and_the_model_runs_without_it():
+    """A CPU install needs no triton (about 1 GB): it is the `gpu` extra, and with it unimportable the layers run
+    the torch references."""
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("triton") for d in meta["dependencies"])
+    assert any(d.startswith("triton") for d in meta["optional-dependencies"]["gpu"])
+    probe = ("import sys; sys.modules['triton'] = None\n"  # `import triton` now raises ImportError
+             "import torch\nfrom tabfm.parallel.kernels import ops\n"
+             "assert not ops.triton_available()\n"
+             "x = torch.randn(4, 8)\nassert ops.backend('auto', x) == 'torch'\n"
+             "from tabfm.model import build_model\nfrom tabfm.parallel_model import parallelize_model\n"
+             "m = parallelize_model(build_model('tiny'), None)\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
