@@ -301,6 +301,21 @@ class _TabFMBase(BaseEstimator):
         state["contexts_"] = None  # large and device-bound: re-encoded from the stored train rows on first use
         return state
 
+    def save(self, path: str | Path) -> None:
+        """Save the fitted estimator to the folder `path` (tabfm.persist: JSON and safetensors, no pickle), with its
+        encoded train rows, so that `load` gives an estimator that predicts at once."""
+        from tabfm.persist import save_estimator
+
+        save_estimator(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | None = None) -> _TabFMBase:
+        """The fitted estimator saved at `path`; its caches on `device` (default: the saved one if present, else
+        cpu)."""
+        from tabfm.persist import load_estimator
+
+        return load_estimator(cls, path, device)
+
 
 class TabFMClassifier(ClassifierMixin, _TabFMBase):
     """In-context classification with the pretrained tabular model; scikit-learn API.

@@ -1,0 +1,384 @@
+"""Save a fitted estimator to a folder and load it back without re-encoding its train rows; nothing is pickled.
+
+A saved estimator is a folder of two files:
+
+    estimator.json       format version, class, versions, get_params(), and every fitted attribute as JSON; an
+                         array or tensor is a reference {"kind": "ndarray" | "tensor", "name": ...} into
+    arrays.safetensors   every numeric array and tensor: the train cells, the members' column orders, the regressor's
+                         mapped bins, each context's statistics and the keys/values of every KVCache
+
+A folder rather than one file: the JSON can be read (and diffed) with any tool, the arrays with any safetensors
+reader, and a damaged part is named. The folder is written beside its destination and renamed into place, so a
+failed save leaves nothing behind and an earlier save at the same path intact.
+
+Objects are rebuilt only from a whitelist of classes (_CLASSES): scikit-learn transformers from their
+get_params() plus their fitted attributes set on a fresh instance (Pipelines through their steps), dataclasses
+from their fields, the other tabfm classes from their attributes. The model weights are not saved: the shipped
+weights (checkpoint=None) or the checkpoint path, which must exist at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+META_FILE = "estimator.json"
+ARRAYS_FILE = "arrays.safetensors"
+
+
+def _whitelist() -> dict[str, type]:
+    """The classes a saved estimator may hold, by the stable public name written to the JSON."""
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import PowerTransformer, QuantileTransformer, RobustScaler, StandardScaler
+
+    from tabfm.blocks import KVCache
+    from tabfm.ensemble import Member
+    from tabfm.model import Context
+    from tabfm.preprocess import Cells, Column, TablePreprocessor
+    from tabfm.target_transform import TargetScale, TargetTransform
+
+    classes = {"sklearn.preprocessing.StandardScaler": StandardScaler,
+               "sklearn.preprocessing.RobustScaler": RobustScaler,
+               "sklearn.preprocessing.QuantileTransformer": QuantileTransformer,
+               "sklearn.preprocessing.PowerTransformer": PowerTransformer,
+               "sklearn.pipeline.Pipeline": Pipeline}
+    for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform):
+        classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return classes
+
+
+# -- encoding: Python values -> JSON nodes, arrays collected by name ------------------------------------------------
+
+class _Encoder:
+    """Turns a fitted estimator's attributes into JSON nodes; arrays and tensors go to `arrays` under unique names."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, torch.Tensor] = {}
+        self.names = {cls: name for name, cls in _whitelist().items()}
+
+    def _store(self, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+        while name in self.arrays:
+            name += "_"
+        self.arrays[name] = tensor.detach().to("cpu", copy=True).contiguous()  # a copy: no storage shared
+        return {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, np.generic):  # before float: np.float64 is a float
+            return {"kind": "npscalar", "dtype": value.dtype.str, "value": self.encode(value.item(), path)}
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"kind": "float", "value": repr(value)}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return {"kind": "tuple", "items": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) for k in value):  # JSON's own object, readable
+                return {"kind": "dict",
+                        "fields": {k: self.encode(v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}}
+            return {"kind": "dict", "items": [[self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{i}")]
+                                              for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, np.ndarray):
+            return self._ndarray(value, path)
+        if isinstance(value, torch.Tensor):
+            return {"kind": "tensor", **self._store(path, value)}
+        if isinstance(value, torch.device):
+            return {"kind": "device", "value": str(value)}
+        if isinstance(value, torch.dtype):
+            return {"kind": "torch_dtype", "value": str(value).removeprefix("torch.")}
+        if type(value) in self.names:
+            return self._object(value, path)
+        raise ValueError(f"cannot save {path} ({type(value).__module__}.{type(value).__qualname__}): tabfm.persist "
+                         f"saves only numbers, strings, arrays, tensors and the classes {sorted(self.names.values())}")
+
+    def _ndarray(self, a: np.ndarray, path: str) -> dict[str, Any]:
+        """Numbers and booleans to safetensors (dates and durations as int64), strings and objects to JSON."""
+        if a.dtype.kind in "biuf":
+            return {"kind": "ndarray", "numpy_dtype": a.dtype.str, **self._store(path, torch.from_numpy(a.copy("C")))}
+        if a.dtype.kind in "Mm":
+            return {"kind": "ndarray", "numpy_dtype": a.dtype.str,
+                    **self._store(path, torch.from_numpy(a.view(np.int64).copy("C")))}
+        if a.dtype.kind in "USO":
+            items = a.ravel().tolist() if a.dtype.kind != "O" else list(a.ravel())
+            return {"kind": "ndarray_json", "numpy_dtype": a.dtype.str, "shape": list(a.shape),
+                    "items": [self.encode(v, f"{path}.{i}") for i, v in enumerate(items)]}
+        raise ValueError(f"cannot save {path}: numpy arrays of dtype {a.dtype} are not supported")
+
+    def _object(self, obj: Any, path: str) -> dict[str, Any]:
+        """A whitelisted object: its constructor arguments (scikit-learn params, dataclass fields) and the rest of
+        its attributes (scikit-learn's fitted state)."""
+        from sklearn.base import BaseEstimator
+
+        attributes = dict(vars(obj))
+        if isinstance(obj, BaseEstimator):
+            params = obj.get_params(deep=False)
+        elif dataclasses.is_dataclass(obj):
+            params = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        else:
+            params = None
+        for key in params or ():
+            attributes.pop(key, None)
+        return {"kind": "object", "class": self.names[type(obj)],
+                "params": None if params is None else self.encode(params, f"{path}.params"),
+                "attributes": self.encode(attributes, path)}
+
+
+# -- decoding: JSON nodes -> Python values ------------------------------------------------------------------------
+
+class _Decoder:
+    """Rebuilds the values _Encoder wrote; arrays come from the loaded safetensors, tensors are moved to `device`."""
+
+    def __init__(self, arrays: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.arrays, self.device = arrays, device
+        self.classes = _whitelist()
+
+    def decode(self, node: Any) -> Any:
+        if node is None or isinstance(node, bool | int | float | str):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v) for v in node]
+        kind = node["kind"]
+        if kind == "float":
+            return float(node["value"])
+        if kind == "tuple":
+            return tuple(self.decode(v) for v in node["items"])
+        if kind == "dict":
+            if "fields" in node:
+                return {k: self.decode(v) for k, v in node["fields"].items()}
+            return {self.decode(k): self.decode(v) for k, v in node["items"]}
+        if kind == "ndarray":
+            a = self.arrays[node["name"]].numpy()
+            dtype = np.dtype(node["numpy_dtype"])
+            return a.view(dtype) if dtype.kind in "Mm" else a.astype(dtype, copy=False)
+        if kind == "ndarray_json":
+            dtype = np.dtype(node["numpy_dtype"])
+            items = [self.decode(v) for v in node["items"]]
+            out = np.empty(len(items), dtype) if dtype.kind == "O" else np.array(items, dtype)
+            if dtype.kind == "O":
+                out[:] = items
+            return out.reshape(node["shape"])
+        if kind == "npscalar":
+            return np.dtype(node["dtype"]).type(self.decode(node["value"]))
+        if kind == "tensor":
+            return self.arrays[node["name"]].to(self.device)
+        if kind == "device":
+            return torch.device(node["value"])
+        if kind == "torch_dtype":
+            dtype = getattr(torch, node["value"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{node['value']!r} is not a torch dtype")
+            return dtype
+        if kind == "object":
+            return self._object(node)
+        raise ValueError(f"unknown node kind {kind!r}")
+
+    def _object(self, node: dict[str, Any]) -> Any:
+        name = node["class"]
+        if name not in self.classes:
+            raise ValueError(f"it holds an object of class {name!r}, which tabfm does not load (known classes: "
+                             f"{sorted(self.classes)})")
+        cls = self.classes[name]
+        attributes = self.decode(node["attributes"])
+        if node["params"] is None:  # a plain tabfm class: its attributes are its state, as pickle would restore
+            obj = cls.__new__(cls)
+            vars(obj).update(attributes)
+            return obj
+        obj = cls(**self.decode(node["params"]))
+        for key, value in attributes.items():
+            setattr(obj, key, value)
+        return obj
+
+
+# -- save ---------------------------------------------------------------------------------------------------------
+
+def _plain_params(est: Any) -> dict[str, Any]:
+    """get_params() as JSON values (a Path as its string, numpy scalars as numbers); refuses anything else."""
+    def plain(name: str, value: Any) -> Any:
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            return value.item()
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, list | tuple):
+            return type(value)(plain(name, v) for v in value)
+        raise ValueError(f"cannot save parameter {name}={value!r} ({type(value).__name__}): set it to a number, "
+                         "string, list or None before saving")
+    return {k: plain(k, v) for k, v in est.get_params(deep=False).items()}
+
+
+def save_estimator(est: Any, path: str | Path) -> None:
+    """Write the fitted estimator to the folder `path` (created, or replacing an earlier saved estimator)."""
+    from safetensors.torch import save_file
+    from sklearn.utils.validation import check_is_fitted
+
+    import tabfm
+
+    check_is_fitted(est, "preprocessor_")
+    if est.tensor_parallel is not None and tuple(est.tensor_parallel) != (1, 1):
+        raise ValueError("cannot save an estimator fitted with tensor_parallel (each rank holds only its share of "
+                         "the caches): fit it with tensor_parallel=None to save it")
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE}):
+        raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
+    if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
+        est._encode_contexts()
+    params = _plain_params(est)
+    encoder = _Encoder()
+    attributes = {k: v for k, v in vars(est).items() if k not in params}
+    meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
+            "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
+            "attributes": encoder.encode(attributes, "")}
+    meta["arrays"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                      for name, t in encoder.arrays.items()}
+    text = json.dumps(meta, indent=1, allow_nan=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()  # beside the destination (one file system), with the user's usual permissions
+    try:
+        (tmp / META_FILE).write_text(text)
+        save_file(encoder.arrays, str(tmp / ARRAYS_FILE), metadata={"format_version": str(FORMAT_VERSION)})
+        _replace_folder(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_folder(new: Path, path: Path) -> None:
+    """Rename `new` to `path`; an earlier folder there is moved aside first and removed only once `new` is in."""
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        path.rename(old)
+    try:
+        new.rename(path)
+    except OSError:
+        if old is not None:
+            old.rename(path)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sklearn_version() -> str:
+    import sklearn
+
+    return sklearn.__version__
+
+
+# -- load ---------------------------------------------------------------------------------------------------------
+
+def _inside(folder: Path, name: str) -> Path:
+    """folder/name, refused when a link takes it outside the folder."""
+    file = folder / name
+    if not file.is_file():
+        raise ValueError(f"{str(folder)!r} is not a saved estimator: {name} is missing (save one with est.save(path))")
+    if folder.resolve() not in file.resolve().parents:
+        raise ValueError(f"{str(file)!r} links outside the folder {str(folder)!r}; refusing to read it")
+    return file
+
+
+def _read_meta(folder: Path, cls: type) -> dict[str, Any]:
+    """The JSON of a saved estimator, checked for its format version and class."""
+    file = _inside(folder, META_FILE)
+    try:
+        meta = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON ({e}): the saved estimator is damaged; save it "
+                         "again") from None
+    if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("arrays"), dict):
+        raise ValueError(f"{str(file)!r} is not a tabfm estimator file (no format_version or arrays table)")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{str(folder)!r} was saved in format version {meta['format_version']!r} but this tabfm "
+                         f"({_tabfm_version()}) reads version {FORMAT_VERSION}: load it with the tabfm that saved "
+                         f"it (tabfm {meta.get('tabfm_version')}), or fit and save it again")
+    if meta.get("class") != cls.__name__:
+        raise ValueError(f"{str(folder)!r} holds a {meta.get('class')}, not a {cls.__name__}: load it with "
+                         f"{meta.get('class')}.load")
+    if meta.get("sklearn_version") != _sklearn_version():
+        warnings.warn(f"{str(folder)!r} was saved with scikit-learn {meta.get('sklearn_version')}, this is "
+                      f"{_sklearn_version()}: its fitted transformers may not behave the same; refit if in doubt",
+                      stacklevel=3)
+    return meta
+
+
+def _tabfm_version() -> str:
+    import tabfm
+
+    return tabfm.__version__
+
+
+def _read_arrays(folder: Path, table: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The safetensors file, checked to hold exactly the arrays the JSON names, with their dtypes and shapes."""
+    from safetensors.torch import load_file
+
+    file = _inside(folder, ARRAYS_FILE)
+    try:
+        arrays = load_file(str(file), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for a truncated or garbled file
+        raise ValueError(f"{str(file)!r} is not a readable safetensors file ({e}): the saved estimator is damaged; "
+                         "save it again") from None
+    if set(arrays) != set(table):
+        missing, extra = sorted(set(table) - set(arrays)), sorted(set(arrays) - set(table))
+        raise ValueError(f"{str(file)!r} does not match {META_FILE} (missing arrays {missing[:5]}, unexpected "
+                         f"{extra[:5]}): the saved estimator is damaged; save it again")
+    for name, t in arrays.items():
+        want = table[name]
+        if str(t.dtype).removeprefix("torch.") != want["dtype"] or list(t.shape) != want["shape"]:
+            raise ValueError(f"array {name!r} in {str(file)!r} is {t.dtype} {list(t.shape)} but {META_FILE} says "
+                             f"{want['dtype']} {want['shape']}: the saved estimator is damaged; save it again")
+    return arrays
+
+
+def _load_device(device: str | torch.device | None, saved: Any) -> torch.device:
+    """The device asked for; by default the one the estimator was saved from when this machine has it, else cpu."""
+    from tabfm.validation import resolve_device
+
+    if device is not None:
+        return resolve_device(device)
+    if isinstance(saved, dict) and saved.get("kind") == "device":
+        try:
+            return resolve_device(saved["value"])
+        except ValueError:
+            pass
+    return torch.device("cpu")
+
+
+def load_estimator(cls: type, path: str | Path, device: str | torch.device | None = None) -> Any:
+    """The fitted estimator saved at `path` by save_estimator, its caches on `device`, ready to predict."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder holding a saved estimator (save one with est.save(path))")
+    meta = _read_meta(folder, cls)
+    arrays = _read_arrays(folder, meta["arrays"])
+    try:
+        attributes_node = meta["attributes"]
+        target = _load_device(device, attributes_node["fields"].get("device_"))
+        decoder = _Decoder(arrays, target)
+        params = decoder.decode(meta["params"])
+        attributes = decoder.decode(attributes_node)
+        est = cls(**params)
+    except ValueError as e:
+        raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot load {str(folder)!r}: {META_FILE} is damaged ({type(e).__name__}: {e}); save the "
+                         "estimator again") from None
+    checkpoint = params.get("checkpoint")
+    if checkpoint is not None and not Path(checkpoint).exists():
+        raise ValueError(f"{str(folder)!r} was fitted with checkpoint {checkpoint!r}, which does not exist here: "
+                         "put the checkpoint at that path (its encoded train rows belong to that model)")
+    vars(est).update(attributes)
+    est.device_ = target
+    est._model()  # load the weights now, so the first predict is as fast as the rest
+    return est

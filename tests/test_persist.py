@@ -1,0 +1,222 @@
+"""Saving a fitted estimator (tabfm.persist): loaded back it predicts exactly as before without re-encoding its train
+rows, damaged or foreign files are refused with one clear ValueError, and pickling still works."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.exceptions import NotFittedError
+
+from tabfm import estimator as estimator_module
+from tabfm.estimator import DEFAULT_CHECKPOINT, TabFMClassifier, TabFMRegressor
+from tabfm.persist import ARRAYS_FILE, FORMAT_VERSION, META_FILE, _Decoder, _Encoder
+
+
+def table(n: int, seed: int = 0) -> pd.DataFrame:
+    """Two numeric columns (one with a missing cell) and a string-categorical one."""
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({"x": rng.normal(size=n), "colour": rng.choice(["red", "green", "blue"], n),
+                       "z": rng.normal(size=n) * 10})
+    df.loc[3, "x"] = np.nan
+    return df
+
+
+def no_encoding(monkeypatch) -> None:
+    """Make any encoding of train rows fail: a loaded estimator must predict from its saved caches."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the train rows were encoded again")
+    monkeypatch.setattr(estimator_module, "encode_context", refuse)
+
+
+def assert_same(a: np.ndarray, b: np.ndarray, dtype: str) -> None:
+    if dtype == "float64":
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+def fit_classifier(dtype: str) -> tuple[TabFMClassifier, pd.DataFrame]:
+    """A classifier of string labels fitted on 60 rows, and 20 test rows."""
+    X = table(80)
+    y = np.where(X["x"].fillna(0) + (X["colour"] == "red") > 0.3, "yes", "no")
+    return TabFMClassifier(n_estimators=2, calibrate=False, dtype=dtype).fit(X[:60], y[:60]), X[60:]
+
+
+@pytest.fixture(scope="module")
+def fitted_classifier():
+    return fit_classifier("float32")
+
+
+@pytest.fixture(scope="module")
+def saved_classifier(fitted_classifier, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("saved") / "clf"
+    fitted_classifier[0].save(path)
+    return path
+
+
+@pytest.fixture
+def copy_of(saved_classifier, tmp_path) -> Path:
+    """A copy of the saved classifier that a test may damage."""
+    return Path(shutil.copytree(saved_classifier, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_classifier_round_trip_predicts_the_same_without_encoding(dtype, fitted_classifier, tmp_path, monkeypatch):
+    clf, X_test = fitted_classifier if dtype == "float32" else fit_classifier(dtype)
+    clf.save(tmp_path / "clf")
+    no_encoding(monkeypatch)
+    loaded = TabFMClassifier.load(tmp_path / "clf")
+    assert_same(loaded.predict_proba(X_test), clf.predict_proba(X_test), dtype)
+    assert (loaded.predict(X_test) == clf.predict(X_test)).all()
+    assert loaded.classes_.dtype == clf.classes_.dtype and loaded.get_params() == clf.get_params()
+    assert loaded.contexts_[0][1].caches[0].k.dtype == clf.contexts_[0][1].caches[0].k.dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_regressor_round_trip_predicts_the_same_without_encoding(dtype, tmp_path, monkeypatch):
+    X = table(70, seed=1)
+    y = np.exp(X["z"].to_numpy() / 10) + (X["colour"] == "blue")
+    reg = TabFMRegressor(n_estimators=2, dtype=dtype, numeric_transforms=("robust", "quantile"),
+                         target_transforms=("quantile", "power")).fit(X[:50], y[:50])
+    reg.save(tmp_path / "reg")
+    no_encoding(monkeypatch)
+    loaded = TabFMRegressor.load(tmp_path / "reg")
+    assert_same(loaded.predict(X[50:]), reg.predict(X[50:]), dtype)
+    assert_same(loaded.predict_quantiles(X[50:], (0.1, 0.5, 0.9)), reg.predict_quantiles(X[50:], (0.1, 0.5, 0.9)),
+                dtype)
+
+
+def test_more_classes_than_the_head_round_trip(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(90, 3))
+    y = rng.integers(0, 12, 90)  # 12 integer classes > 10: error-correcting codes over more members
+    clf = TabFMClassifier(n_estimators=2, calibrate=False).fit(X[:70], y[:70])
+    assert clf.n_members_ > 2
+    clf.save(tmp_path / "many")
+    no_encoding(monkeypatch)
+    loaded = TabFMClassifier.load(tmp_path / "many")
+    np.testing.assert_array_equal(loaded.predict_proba(X[70:]), clf.predict_proba(X[70:]))
+    assert loaded.classes_.dtype == clf.classes_.dtype and (loaded.class_codes_ == clf.class_codes_).all()
+
+
+@pytest.mark.parametrize("values", [np.array(["b", "a"]), np.array(["b", "a"], dtype=object), np.array([3, 1]),
+                                    np.array([0.5, -2.0]), np.array([True, False]),
+                                    np.array(["2020-01-01", "2021-06-01"], dtype="datetime64[D]")])
+def test_class_label_arrays_keep_their_dtype(values):
+    encoder = _Encoder()
+    node = json.loads(json.dumps(encoder.encode(values, "classes_")))  # through JSON text, as on disk
+    back = _Decoder(encoder.arrays, torch.device("cpu")).decode(node)
+    assert back.dtype == values.dtype and (back == values).all()
+
+
+def test_pickling_still_works_and_an_unpickled_estimator_saves_its_caches(fitted_classifier, tmp_path,
+                                                                            monkeypatch):
+    clf, X_test = fitted_classifier
+    restored = pickle.loads(pickle.dumps(clf))
+    np.testing.assert_array_equal(restored.predict_proba(X_test), clf.predict_proba(X_test))
+    again = pickle.loads(pickle.dumps(restored))
+    again.save(tmp_path / "from_pickle")  # contexts_ is None after unpickling: encoded once, at save
+    loaded = TabFMClassifier.load(tmp_path / "from_pickle")
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(loaded)).predict_proba(X_test), clf.predict_proba(X_test))
+    no_encoding(monkeypatch)
+    np.testing.assert_array_equal(loaded.predict_proba(X_test), clf.predict_proba(X_test))
+
+
+def _edit_json(path: Path, edit) -> None:
+    meta = json.loads((path / META_FILE).read_text())
+    edit(meta)
+    (path / META_FILE).write_text(json.dumps(meta))
+
+
+def test_another_format_version_is_refused(copy_of):
+    _edit_json(copy_of, lambda meta: meta.update(format_version=FORMAT_VERSION + 98))
+    with pytest.raises(ValueError, match=f"format version {FORMAT_VERSION + 98} .* reads version {FORMAT_VERSION}"):
+        TabFMClassifier.load(copy_of)
+
+
+def test_a_classifier_is_not_loaded_as_a_regressor(saved_classifier):
+    with pytest.raises(ValueError, match="holds a TabFMClassifier, not a TabFMRegressor"):
+        TabFMRegressor.load(saved_classifier)
+
+
+def test_a_missing_or_damaged_arrays_file_is_refused(copy_of):
+    arrays = copy_of / ARRAYS_FILE
+    blob = arrays.read_bytes()
+    arrays.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        TabFMClassifier.load(copy_of)
+    arrays.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        TabFMClassifier.load(copy_of)
+    arrays.unlink()
+    with pytest.raises(ValueError, match=f"{ARRAYS_FILE} is missing"):
+        TabFMClassifier.load(copy_of)
+
+
+def test_arrays_that_do_not_match_the_json_are_refused(copy_of):
+    _edit_json(copy_of, lambda meta: meta["arrays"]["context_rows_"].update(shape=[2, 7]))
+    with pytest.raises(ValueError, match="array 'context_rows_' .* says int64 \\[2, 7\\]"):
+        TabFMClassifier.load(copy_of)
+
+
+def test_an_unknown_transformer_class_is_refused(copy_of):
+    text = (copy_of / META_FILE).read_text()
+    assert '"sklearn.preprocessing.StandardScaler"' in text
+    (copy_of / META_FILE).write_text(text.replace('"sklearn.preprocessing.StandardScaler"',
+                                                  '"sklearn.preprocessing.FunctionTransformer"'))
+    with pytest.raises(ValueError, match="'sklearn.preprocessing.FunctionTransformer', which tabfm does not load"):
+        TabFMClassifier.load(copy_of)
+
+
+def test_a_file_linking_outside_the_folder_is_refused(copy_of, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    (copy_of / ARRAYS_FILE).rename(outside)
+    (copy_of / ARRAYS_FILE).symlink_to(outside)
+    with pytest.raises(ValueError, match="links outside the folder"):
+        TabFMClassifier.load(copy_of)
+
+
+def test_save_refuses_an_unfitted_estimator_and_a_foreign_path(fitted_classifier, tmp_path):
+    with pytest.raises(NotFittedError):
+        TabFMClassifier().save(tmp_path / "nothing")
+    assert not (tmp_path / "nothing").exists()
+    other = tmp_path / "notes.txt"
+    other.write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a saved estimator"):
+        fitted_classifier[0].save(other)
+    assert other.read_text() == "keep me"
+    odd = copy.copy(fitted_classifier[0])
+    odd.extra_ = {1, 2}  # a set: not something the format knows
+    with pytest.raises(ValueError, match="cannot save extra_ .*set"):
+        odd.save(tmp_path / "odd")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
+
+
+def test_saving_again_replaces_the_earlier_save(fitted_classifier, saved_classifier, tmp_path):
+    path = Path(shutil.copytree(saved_classifier, tmp_path / "again"))
+    (path / ARRAYS_FILE).write_bytes(b"stale")
+    fitted_classifier[0].save(path)
+    assert sorted(p.name for p in path.iterdir()) == sorted([META_FILE, ARRAYS_FILE])
+    assert [p.name for p in tmp_path.iterdir()] == ["again"]  # nothing left beside it
+    clf, X_test = fitted_classifier
+    np.testing.assert_array_equal(TabFMClassifier.load(path).predict_proba(X_test), clf.predict_proba(X_test))
+
+
+def test_the_checkpoint_path_is_kept_and_must_exist_at_load(tmp_path):
+    checkpoint = tmp_path / "model.safetensors"
+    shutil.copy(DEFAULT_CHECKPOINT, checkpoint)
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, checkpoint=checkpoint).fit(X, X["colour"])
+    clf.save(tmp_path / "clf")
+    assert TabFMClassifier.load(tmp_path / "clf").checkpoint == str(checkpoint)
+    checkpoint.unlink()
+    with pytest.raises(ValueError, match="which does not exist here"):
+        TabFMClassifier.load(tmp_path / "clf")
