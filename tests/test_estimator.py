@@ -89,8 +89,8 @@ def test_categorical_features_option_forces_codes():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: (np.ones((5, 2)), np.array([0, 1, np.nan, 0, 1])), "NaN or inf"),
-    (lambda: (np.ones((5, 2)), np.array([0, 1, np.inf, 0, 1])), "NaN or inf"),
+    (lambda: (np.ones((5, 2)), np.array([0, 1, np.nan, 0, 1])), "missing labels .* in 1 rows"),
+    (lambda: (np.ones((5, 2)), np.array([0, 1, np.inf, 0, 1])), "inf in 1 rows"),
     (lambda: (np.random.default_rng(0).normal(size=(5, 2)), np.zeros(5)), "1 class"),
     (lambda: (np.array([[1.0, "a"], [2.0, 3.0]], dtype=object), np.array([0, 1])), "mixes numbers and strings"),
     (lambda: (np.empty((0, 3)), np.empty(0)), "0 sample"),
