@@ -173,9 +173,10 @@ class _TabFMBase(BaseEstimator):
     def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM) -> None:
         """Preprocess, draw the ensemble and encode the contexts; y is [n] class ids or float targets."""
         validate_data(self, X, reset=True, skip_check_array=True)
-        transforms = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else self.numeric_transforms
+        kinds = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else tuple(self.numeric_transforms)
+        used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # fit only what is used
         self.preprocessor_ = TablePreprocessor(self.categorical_features, max_columns=model.config.max_columns,
-                                               transforms=sorted(set(transforms))).fit(X)
+                                               transforms=used).fit(X)
         cells = self.preprocessor_.transform(X)
         if len(y) != len(cells.values):
             raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
