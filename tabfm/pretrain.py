@@ -239,6 +239,8 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
                          "start another with --set train.out_dir=NEW_DIR, or delete it with --overwrite")
     if resume is not None and (out_dir / "metrics.jsonl").is_file():
         read_metrics_file(out_dir / "metrics.jsonl", warn=False)  # corrupt: refused now, not on rank 0 mid-run
+    if resume == "auto":
+        latest_checkpoint(out_dir)  # a `latest` naming anything but a step folder: refused here, in one line
 
 
 def clear_run(out_dir: Path) -> str | None:

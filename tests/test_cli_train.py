@@ -193,3 +193,13 @@ def test_under_nproc_the_launcher_refuses_or_clears_the_old_run_once(tmp_path, c
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--max-restarts") + 1] == "1"
     assert not ranks.overwrite and ranks.resume == "auto"
     assert ranks.config == str(TINY) and ranks.set == [f"train.out_dir={run}", "parallel.d0=2", "parallel.d1=2"]
+
+
+def test_resume_with_a_hostile_latest_pointer_is_one_line_before_any_work(tmp_path):
+    """`latest` naming a folder outside the run: refused by the launcher's checks, nothing opened or written."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("../../elsewhere\n")
+    with pytest.raises(ValueError, match="latest"):
+        pretrain.check_out_dir(out, "auto", overwrite=False)
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "latest"]
