@@ -97,22 +97,25 @@ def _onehot_width(n_cats: int) -> int:
     return 1 if n_cats == 2 else n_cats
 
 
+def _expanded_width(member: Member, is_cat: np.ndarray, n_cats: np.ndarray) -> int:
+    """The columns the member would show one-hot: narrow categorical columns expanded, the others one each."""
+    return sum(_onehot_width(int(n_cats[c])) if is_cat[c] and n_cats[c] <= ONEHOT_MAX_CATEGORIES else 1
+               for c in member.columns)
+
+
 def effective_view(member: Member, is_cat: np.ndarray, n_cats: np.ndarray, max_columns: int) -> str:
     """The categorical view a member really gets: "onehot" falls back to "embed" when the expanded columns
     would pass the model's column limit."""
     if member.categorical != "onehot":
         return member.categorical
-    cols = member.columns
-    wide = sum(_onehot_width(int(n_cats[c])) if is_cat[c] and n_cats[c] <= ONEHOT_MAX_CATEGORIES else 1 for c in cols)
-    return "onehot" if wide <= max_columns else "embed"
+    return "onehot" if _expanded_width(member, is_cat, n_cats) <= max_columns else "embed"
 
 
 def member_width(member: Member, is_cat: np.ndarray, n_cats: np.ndarray, max_columns: int) -> int:
     """C': the number of columns the member shows the model."""
     if effective_view(member, is_cat, n_cats, max_columns) != "onehot":
         return len(member.columns)
-    return sum(_onehot_width(int(n_cats[c])) if is_cat[c] and n_cats[c] <= ONEHOT_MAX_CATEGORIES else 1
-               for c in member.columns)
+    return _expanded_width(member, is_cat, n_cats)
 
 
 def member_cells(pre: TablePreprocessor, cells: Cells, member: Member, scaled: np.ndarray | None = None) -> MemberCells:

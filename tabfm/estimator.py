@@ -570,7 +570,6 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         q = np.atleast_1d(np.asarray(quantiles, np.float64))
         if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
             raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
-        if self.contexts_ is None:
-            self._encode_contexts()
+        # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         return self._predict_cells_of(
             X, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))
