@@ -12,12 +12,13 @@ polars is imported inside the functions: the `tabfm` command imports this module
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,13 +57,26 @@ def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES) -> pl.Dat
 
     Raises TableError (one line, naming the file) for a missing, empty, ragged, non-UTF-8 or mislabelled file.
     """
+    p, head = _checked_file(path)
+    separator = READ_FORMATS[p.suffix.lower()]
+    if separator is None:
+        df = _read_parquet(p, head)
+    else:
+        df = _read_text(p, head, separator, na_values)
+    _check_header(p, df.columns)
+    if df.height == 0:
+        raise TableError(f"{path}: has a header ({len(df.columns)} columns) but no rows")
+    return _tidy_text(df, na_values)
+
+
+def _checked_file(path: str | Path) -> tuple[Path, bytes]:
+    """(path, its first 64 bytes) of an existing, non-empty file with a readable extension; TableError if not."""
     p = Path(path)
     if p.is_dir():
         raise TableError(f"{path}: is a folder, not a table file")
     if not p.is_file():
         raise TableError(f"{path}: no such file")
-    suffix = p.suffix.lower()
-    if suffix not in READ_FORMATS:
+    if p.suffix.lower() not in READ_FORMATS:
         raise TableError(f"{path}: unknown table format {p.suffix!r}; use .csv, .tsv or .parquet")
     try:
         with p.open("rb") as f:
@@ -71,57 +85,74 @@ def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES) -> pl.Dat
         raise TableError(f"{path}: cannot read it: {e.strerror}") from None
     if not head.strip():
         raise TableError(f"{path}: the file is empty; it needs a header line and at least one row")
-    if READ_FORMATS[suffix] is None:
-        df = _read_parquet(p, head)
-    else:
-        df = _read_text(p, head, READ_FORMATS[suffix], na_values)
-    _check_header(p, df)
-    if df.height == 0:
-        raise TableError(f"{path}: has a header ({len(df.columns)} columns) but no rows")
-    return _tidy_text(df, na_values)
+    _check_magic(p, head)
+    return p, head
+
+
+def _check_magic(p: Path, head: bytes) -> None:
+    """A .parquet file must start as Parquet, a text file must not."""
+    is_parquet = head.startswith(_PARQUET_MAGIC)
+    if READ_FORMATS[p.suffix.lower()] is None and not is_parquet:
+        start = head[:20].decode("utf-8", "replace").splitlines()[0] if head else ""
+        raise TableError(f"{p}: not a Parquet file (it starts with {start!r}); if it is CSV text, name it .csv")
+    if READ_FORMATS[p.suffix.lower()] is not None and is_parquet:
+        raise TableError(f"{p}: this is a Parquet file, not {p.suffix} text; name it .parquet")
 
 
 def _read_parquet(p: Path, head: bytes) -> pl.DataFrame:
     import polars as pl
 
-    if not head.startswith(_PARQUET_MAGIC):
-        start = head[:20].decode("utf-8", "replace").splitlines()[0] if head else ""
-        raise TableError(f"{p}: not a Parquet file (it starts with {start!r}); if it is CSV text, name it .csv")
     try:
         return pl.read_parquet(p)
     except (pl.exceptions.PolarsError, OSError) as e:
-        raise TableError(f"{p}: cannot read it as Parquet ({_first_line(e)}); is the file complete?") from None
+        raise _read_error(p, None, e) from None
 
 
 def _read_text(p: Path, head: bytes, separator: str, na_values: Sequence[str]) -> pl.DataFrame:
     import polars as pl
 
-    if head.startswith(_PARQUET_MAGIC):
-        raise TableError(f"{p}: this is a Parquet file, not {p.suffix} text; name it .parquet")
     try:  # every row decides the column types: a float on row 20,000 of an integer column must not fail
         return pl.read_csv(p, separator=separator, null_values=list(na_values), infer_schema_length=None)
-    except pl.exceptions.NoDataError:
-        raise TableError(f"{p}: the file is empty; it needs a header line and at least one row") from None
-    except pl.exceptions.PolarsError as e:
-        message = str(e)
-        if "utf-8" in message.lower() or "utf8" in message.lower():
-            raise TableError(_not_utf8(p)) from None
-        if "more fields" in message:
-            raise TableError(_ragged(p, separator)) from None
-        raise TableError(f"{p}: cannot read it as {p.suffix} text ({_first_line(e)})") from None
-    except OSError as e:
-        raise TableError(f"{p}: cannot read it: {e.strerror}") from None
+    except (pl.exceptions.PolarsError, OSError) as e:
+        raise _read_error(p, separator, e) from None
+
+
+def _read_error(p: Path, separator: str | None, e: Exception) -> TableError:
+    """The one-line TableError for a polars or OS error met while reading `p` (separator None: Parquet)."""
+    import polars as pl
+
+    if isinstance(e, OSError):
+        return TableError(f"{p}: cannot read it: {e.strerror}")
+    if separator is None:
+        return TableError(f"{p}: cannot read it as Parquet ({_first_line(e)}); is the file complete?")
+    if isinstance(e, pl.exceptions.NoDataError):
+        return TableError(f"{p}: the file is empty; it needs a header line and at least one row")
+    message = str(e)
+    if "utf-8" in message.lower() or "utf8" in message.lower():
+        return TableError(_not_utf8(p))
+    if "more fields" in message:
+        return TableError(_ragged(p, separator))
+    return TableError(f"{p}: cannot read it as {p.suffix} text ({_first_line(e)})")
 
 
 def _not_utf8(p: Path) -> str:
-    """Where the first byte that is not UTF-8 is (the file is read again only on this error path)."""
-    data = p.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        return (f"{p}: not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
-                "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+    """Where the first byte that is not UTF-8 is (the file is read again, 1 MiB at a time, only on this error
+    path)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with p.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                pending = len(e.object) - len(chunk)  # bytes of a character cut by the previous chunk
+                at = max(e.start - pending, 0)
+                line += chunk.count(b"\n", 0, at)
+                return (f"{p}: not UTF-8 text (byte 0x{chunk[at]:02x} on line {line}); "
+                        "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+            line += chunk.count(b"\n")
     return f"{p}: not valid UTF-8 text; save it as UTF-8"
 
 
@@ -137,10 +168,10 @@ def _ragged(p: Path, separator: str) -> str:
     return f"{p}: a row has more fields than the header; fix that row (a separator inside a value needs quotes)"
 
 
-def _check_header(p: Path, df: pl.DataFrame) -> None:
+def _check_header(p: Path, columns: Sequence[str]) -> None:
     """polars renames a repeated column name to NAME_duplicated_0 without a word; refuse it instead."""
-    names = set(df.columns)
-    for c in df.columns:
+    names = set(columns)
+    for c in columns:
         m = re.fullmatch(r"(.*)_duplicated_\d+", c)
         if m and m.group(1) in names:
             raise TableError(f"{p}: column name {m.group(1)!r} appears more than once in the header; rename one")
@@ -155,8 +186,7 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str]) -> pl.DataFrame:
     for name, dtype in df.schema.items():
         if dtype != pl.String:
             continue
-        s = df.get_column(name).str.strip_chars()
-        s = pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(name)).to_series()
+        s = _text_cells(df.get_column(name), na_values)
         for numeric in (pl.Int64, pl.Float64):
             cast = s.cast(numeric, strict=False)
             if cast.null_count() == s.null_count():
@@ -164,6 +194,14 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str]) -> pl.DataFrame:
                 break
         tidy.append(s)
     return df.with_columns(tidy) if tidy else df
+
+
+def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
+    """Text cells stripped of surrounding blanks, the NA tokens among them missing."""
+    import polars as pl
+
+    s = s.str.strip_chars()
+    return pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(s.name)).to_series()
 
 
 def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:
@@ -186,6 +224,84 @@ def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]
             others = s.filter(numbers.is_null()).unique(maintain_order=True).head(3).to_list()
             found.append((name, k, n, others))
     return found
+
+
+class TableScan:
+    """A table file read in batches of rows, for tables larger than memory (`tabfm predict --test`).
+
+    Opening it checks what read_table checks up front (the file, its header, at least one row: counted in one
+    streaming pass). batches() then reads the cells as text and gives each column the type it has in another table
+    (the train table's schema), cell by cell, so a batch whose column happens to be all missing or all integers is
+    read exactly as in any other batch, whatever the batch size.
+    """
+
+    def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES):
+        import polars as pl
+
+        self.path, _ = _checked_file(path)
+        self.na_values = list(na_values)
+        self._separator = READ_FORMATS[self.path.suffix.lower()]
+        with self._reading():
+            if self._separator is None:
+                self._frame = pl.scan_parquet(self.path)
+            else:
+                self._frame = pl.scan_csv(self.path, separator=self._separator, null_values=self.na_values,
+                                          infer_schema=False)
+            self.columns: list[str] = self._frame.collect_schema().names()
+            _check_header(self.path, self.columns)
+            self.n_rows: int = self._frame.select(pl.len()).collect().item()
+        if self.n_rows == 0:
+            raise TableError(f"{self.path}: has a header ({len(self.columns)} columns) but no rows")
+
+    @contextlib.contextmanager
+    def _reading(self):
+        """polars and OS errors while reading become read_table's one-line TableErrors."""
+        import polars as pl
+
+        try:
+            yield
+        except (pl.exceptions.PolarsError, OSError) as e:
+            raise _read_error(self.path, self._separator, e) from None
+
+    def batches(self, schema: Mapping[str, pl.DataType], rows: int) -> Iterator[pl.DataFrame]:
+        """The columns named in `schema`, `rows` rows at a time (about: polars decides the exact sizes), each
+        column conformed to its schema type (see conform)."""
+        offset = 0
+        with self._reading():
+            for batch in self._frame.select(list(schema)).collect_batches(chunk_size=rows, lazy=True):
+                yield conform(batch, schema, self.na_values, f"{self.path}", offset)
+                offset += batch.height
+
+
+def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequence[str] = NA_VALUES,
+            where: str = "table", offset: int = 0) -> pl.DataFrame:
+    """`df`'s text columns read as `schema` says, cell by cell (never from what the other cells hold): stripped,
+    NA tokens missing, then numbers where the schema has a number (a cell that is not one is a TableError naming
+    it and its row, counted from `offset`), True/False for a boolean column's true/false in any case (the
+    categories a boolean column has), text otherwise. Columns that are not text are kept as they are."""
+    import polars as pl
+
+    out = []
+    for name, dtype in schema.items():
+        s = df.get_column(name)
+        if s.dtype != pl.String:
+            out.append(s)
+            continue
+        s = _text_cells(s, na_values)
+        if dtype.is_numeric():
+            number = s.cast(pl.Float64, strict=False)
+            bad = (number.is_null() & s.is_not_null()).arg_true()
+            if len(bad):
+                raise TableError(f"{where}: column {name!r} holds {s[bad[0]]!r} (row {offset + bad[0] + 1}) where the "
+                                 "train table has numbers; fix that cell, or add it to the missing-value tokens "
+                                 "(--na-values) if it means missing")
+            s = number
+        elif dtype == pl.Boolean:
+            low = s.str.to_lowercase()
+            s = pl.select(pl.when(low == "true").then(pl.lit("True")).when(low == "false").then(pl.lit("False"))
+                          .otherwise(s).alias(name)).to_series()
+        out.append(s)
+    return pl.DataFrame(out)
 
 
 def check_output(path: str | None, inputs: Iterable[str | Path] = ()) -> Path | None:
@@ -218,32 +334,115 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+PARQUET_ROW_GROUP_ROWS = 65_536
+"""Rows per Parquet row group written by TableWriter, whatever the batches written: the file's bytes do not
+depend on how the rows arrived."""
+
+
 def write_table(df: pl.DataFrame, path: str | Path | None, float_digits: int | None = None) -> None:
     """Write `df` as CSV to stdout (path None) or by extension to .csv, .tsv or .parquet, atomically.
 
     `float_digits` rounds float columns to that many significant digits in text output (Parquet keeps them whole).
     """
-    import polars as pl
+    with TableWriter(path, float_digits) as out:
+        out.write(df)
 
-    p = check_output(None if path is None else str(path))
-    if float_digits is not None and (p is None or p.suffix.lower() != ".parquet"):
-        df = df.with_columns(pl.col(pl.Float32, pl.Float64).round_sig_figs(float_digits))
-    if p is None:
-        _write_stdout(df.write_csv())
-        return
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        suffix = p.suffix.lower()
-        if suffix == ".parquet":
-            df.write_parquet(tmp)
-        else:
-            df.write_csv(tmp, separator="\t" if suffix == ".tsv" else ",")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, p)
-    except (OSError, pl.exceptions.PolarsError) as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise TableError(f"{path}: cannot write it ({_first_line(e)})") from None
+
+class TableWriter:
+    """Writes a table batch by batch (`with TableWriter(path) as out: out.write(batch)`), memory bounded by a
+    batch: CSV to stdout (path None), or by extension to .csv, .tsv or .parquet through a temporary file in the
+    same folder, renamed into place when the `with` block ends without an error and removed when it fails, so a
+    failure leaves nothing half-written. `float_digits` rounds float columns to that many significant digits in
+    text output (Parquet keeps them whole). The bytes written do not depend on how the rows are split into batches.
+    """
+
+    def __init__(self, path: str | Path | None, float_digits: int | None = None):
+        self.path = check_output(None if path is None else str(path))
+        self.float_digits = float_digits
+        self.rows = 0
+        self._suffix = "" if self.path is None else self.path.suffix.lower()
+        self._tmp: str | None = None
+        self._file = None
+        self._parquet = None
+        self._pending: list = []  # Parquet: arrow tables not yet written as a row group
+        self._header = False  # text: the header line is written
+
+    def __enter__(self) -> TableWriter:
+        if self.path is not None:
+            fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            self._file = os.fdopen(fd, "wb")
+        return self
+
+    def write(self, df: pl.DataFrame) -> None:
+        """Append the rows of `df` (the same columns and types in every batch)."""
+        import polars as pl
+
+        try:
+            if self._suffix == ".parquet":
+                self._write_parquet(df.to_arrow())
+            else:
+                if self.float_digits is not None:
+                    df = df.with_columns(pl.col(pl.Float32, pl.Float64).round_sig_figs(self.float_digits))
+                text = df.write_csv(separator="\t" if self._suffix == ".tsv" else ",", include_header=not self._header)
+                self._header = True
+                if self._file is None:
+                    _write_stdout(text)
+                else:
+                    self._file.write(text.encode())
+        except (OSError, ValueError, pl.exceptions.PolarsError) as e:
+            raise TableError(f"{self.path}: cannot write it ({_first_line(e)})") from None
+        self.rows += df.height
+
+    def _write_parquet(self, table) -> None:
+        """Buffer the rows; write every full PARQUET_ROW_GROUP_ROWS of them as one row group."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if self._parquet is None:
+            self._parquet = pq.ParquetWriter(self._file, table.schema, compression="zstd")
+        self._pending.append(table)
+        buffered = sum(t.num_rows for t in self._pending)
+        if buffered < PARQUET_ROW_GROUP_ROWS:
+            return
+        rows = pa.concat_tables(self._pending)
+        full = buffered - buffered % PARQUET_ROW_GROUP_ROWS
+        for start in range(0, full, PARQUET_ROW_GROUP_ROWS):
+            self._parquet.write_table(rows.slice(start, PARQUET_ROW_GROUP_ROWS).combine_chunks())
+        self._pending = [rows.slice(full)] if full < buffered else []
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if self._file is None:
+            return
+        done = False
+        try:
+            if kind is None:
+                self._finish()
+                done = True
+        except (OSError, ValueError) as e:
+            raise TableError(f"{self.path}: cannot write it ({_first_line(e)})") from None
+        finally:
+            if not done:
+                self._abandon()
+
+    def _abandon(self) -> None:
+        """Close and remove the temporary file (after an error)."""
+        with contextlib.suppress(Exception):
+            if self._parquet is not None:
+                self._parquet.close()
+        self._file.close()
+        Path(self._tmp).unlink(missing_ok=True)
+
+    def _finish(self) -> None:
+        """Write what is buffered, close and rename into place."""
+        import pyarrow as pa
+
+        if self._parquet is not None:
+            if self._pending:
+                self._parquet.write_table(pa.concat_tables(self._pending).combine_chunks())
+            self._parquet.close()
+        self._file.close()
+        os.chmod(self._tmp, 0o666 & ~_umask())
+        os.replace(self._tmp, self.path)
 
 
 def _write_stdout(text: str) -> None:
