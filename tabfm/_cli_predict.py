@@ -3,10 +3,17 @@ processes.
 
     tabfm predict --train train.csv --target y --test test.csv [-o preds.csv] [--proba]
     tabfm predict ... --nproc 4 --layout 2x2     # torchrun: one context split over 4 processes
+    tabfm predict ... --data-parallel 4          # torchrun: the test rows split over 4 processes
 
-With --nproc > 1 the command relaunches itself under torchrun; every rank reads the tables and runs the estimator
-with tensor_parallel=(d0, d1) (rows by sequence parallelism, heads by tensor parallelism), and rank 0 writes the
-predictions, which equal the one-process ones.
+The train table is read whole; the test table is read --batch-rows rows at a time, its columns given the train
+table's types (tabfm.table_io.TableScan), predicted in chunks of --batch-size rows (tabfm.predict_stream: the
+same chunks, and so the same answers, whatever --batch-rows) and written as it goes (tabfm.table_io.TableWriter:
+a temporary file renamed into place on success), so memory is bounded by a batch, not by the test table.
+
+With --nproc > 1 or --data-parallel > 1 the command relaunches itself under torchrun. --nproc: every rank runs
+the estimator with tensor_parallel=(d0, d1) (rows by sequence parallelism, heads by tensor parallelism) on every
+test row. --data-parallel: every rank fits the whole estimator and predicts every N-th chunk of test rows, gathered
+on rank 0. Either way rank 0 writes the predictions, which equal the one-process ones.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read only empty cells and the --na-values as missing (e.g. when 'NA' or '-' is a category)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (warnings still show)")
     p.add_argument("--batch-size", type=int, default=1024, help="test rows per forward")
+    p.add_argument("--batch-rows", type=int, default=100_000,
+                   help="test rows read (and held) at a time: memory is bounded by this, not by the test table")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="model dtype (default: float32)")
@@ -59,6 +68,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", type=parse_layout, default=None,
                    help="tensor-parallel mesh d0xd1 for --nproc (default: nproc x 1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="keep rows whole on every rank")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="processes (torchrun) that each fit the whole model and predict every N-th batch of test "
+                   "rows (instead of --nproc, which splits the model)")
 
 
 def read_table(path: str, na_values: Sequence[str] | None = None):
@@ -93,18 +105,16 @@ def _say(args: argparse.Namespace, message: str, *, warning: bool = False) -> No
         print(f"tabfm predict: {'warning: ' if warning else ''}{message}", file=sys.stderr)
 
 
-def load_tables(args: argparse.Namespace):
-    """(X, y, X_test, task) from --train and --test: columns matched, rows without a target dropped (with a
-    warning), a warning for each text column that is mostly numbers. Raises ValueError on bad input."""
+def load_train(args: argparse.Namespace):
+    """(X, y, task) from --train: rows without a target dropped (with a warning), a warning for each text column
+    that is mostly numbers. Raises ValueError on bad input."""
     from tabfm import table_io
 
-    na = table_io.na_tokens(args.na_values, defaults=not args.no_default_na)
-    train, test = read_table(args.train, na), read_table(args.test, na)
-    for path, table in ((args.train, train), (args.test, test)):
-        for column, k, n, others in table_io.mostly_numeric_text(table):
-            shown = ", ".join(repr(v) for v in others)
-            _say(args, f"{path}: column {column!r} is read as text (categories) although {k} of its {n} values are "
-                 f"numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
+    train = read_table(args.train, _na(args))
+    for column, k, n, others in table_io.mostly_numeric_text(train):
+        shown = ", ".join(repr(v) for v in others)
+        _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
+             f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
     if args.target not in train.columns:
         raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
     unlabelled = train.get_column(args.target).null_count()
@@ -118,54 +128,97 @@ def load_tables(args: argparse.Namespace):
     X = train.drop(args.target)
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
-    X_test = test.drop(args.target) if args.target in test.columns else test
-    missing_cols = [c for c in X.columns if c not in X_test.columns]
-    if missing_cols:
-        raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
     task = infer_task(y) if args.task == "auto" else args.task
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
-    return X, y, X_test.select(X.columns), task
+    return X, y, task
+
+
+def _na(args: argparse.Namespace) -> list[str]:
+    from tabfm import table_io
+
+    return table_io.na_tokens(args.na_values, defaults=not args.no_default_na)
+
+
+def open_test(args: argparse.Namespace, X):
+    """--test opened for reading in batches (tabfm.table_io.TableScan), checked to hold X's columns."""
+    from tabfm import table_io
+
+    test = table_io.TableScan(args.test, _na(args), check_rows=args.batch_rows)
+    missing_cols = [c for c in X.columns if c not in test.columns]
+    if missing_cols:
+        raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
+    return test
 
 
 def run_prediction(args: argparse.Namespace) -> int:
-    """Read, fit, predict, write (only rank 0 writes). Runs in every process when sharded."""
+    """Read, fit, predict and write batch by batch (only rank 0 writes). Runs in every process under torchrun."""
     from tabfm import table_io
 
     output = table_io.check_output(args.output, (args.train, args.test))
-    X, y, X_test, task = load_tables(args)
-    _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {X_test.height} rows")
-    out = fit_predict(args, X, y, X_test, task)
+    X, y, task = load_train(args)
+    test = open_test(args, X)  # its header and rows checked before the fit
+    _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {test.n_rows} rows")
+    est = fit(args, X, y, task)
+    outputs = _predictions(args, est, test.batches(X.schema, args.batch_rows))
     if not _is_rank0():
+        for _ in outputs:  # the other ranks' share of the work (and of the collectives)
+            pass
         return 0
-    table_io.write_table(out, output, float_digits=6 if args.proba else None)
+    from tqdm.auto import tqdm
+
+    with table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
+            tqdm(total=test.n_rows, desc="predict", unit="row", disable=args.quiet) as bar:
+        for chunk in outputs:
+            frame = prediction_frame(args, est, chunk)
+            out.write(frame)
+            bar.update(frame.height)
     if output is not None:
-        _say(args, f"wrote {out.height} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
+        _say(args, f"wrote {out.rows} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
     return 0
 
 
-def fit_predict(args: argparse.Namespace, X, y, X_test, task: str):
-    """The predictions as a DataFrame: the target column, then proba_CLASS columns with --proba."""
+def _predictions(args: argparse.Namespace, est, batches):
+    """The outputs [rows, K] of each chunk of --batch-size test rows, in order (tabfm.predict_stream), split over
+    the ranks with --data-parallel."""
+    import torch.distributed as dist
+
+    from tabfm.predict_stream import predict_chunks, rechunk
+
+    group = dist.group.WORLD if args.data_parallel > 1 and dist.is_initialized() else None
+    return predict_chunks(est, rechunk(batches, args.batch_size), group)
+
+
+def fit(args: argparse.Namespace, X, y, task: str):
+    """The fitted estimator: sharded with tensor_parallel under torchrun --nproc, whole on every rank with
+    --data-parallel."""
     import polars as pl
     import torch.distributed as dist
 
     from tabfm.estimator import TabFMClassifier, TabFMRegressor
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp = (args.layout or (world, 1)) if world > 1 else None
+    tp = (args.layout or (world, 1)) if world > 1 and args.data_parallel == 1 else None
     kwargs = dict(n_estimators=args.n_estimators, checkpoint=args.checkpoint, batch_size=args.batch_size,
                   device=args.device, dtype=args.dtype, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
-                  categorical_features=[c for c in args.categorical.split(",") if c] or "auto",
-                  verbose=not args.quiet and _is_rank0())
+                  categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     y_values = y.to_numpy() if task == "regression" else y.cast(pl.String).to_numpy()
-    est.fit(X, y_values)
+    return est.fit(X, y_values)
+
+
+def prediction_frame(args: argparse.Namespace, est, outputs):
+    """The predictions of one chunk (outputs as tabfm.predict_stream.outputs_of gives them) as a DataFrame: the
+    target column (a classifier's label is its most probable class), then proba_CLASS columns with --proba."""
+    import polars as pl
+
+    if not hasattr(est, "classes_"):
+        return pl.DataFrame({args.target: outputs[:, 0]})
+    labels = pl.Series(args.target, est.classes_[outputs.argmax(1)])
     if not args.proba:
-        return pl.DataFrame({args.target: est.predict(X_test)})
-    proba = est.predict_proba(X_test)
-    labels = pl.Series(args.target, est.classes_[proba.argmax(1)])
-    return pl.DataFrame([labels, *(pl.Series(f"proba_{c}", proba[:, i]) for i, c in enumerate(est.classes_))])
+        return pl.DataFrame([labels])
+    return pl.DataFrame([labels, *(pl.Series(f"proba_{c}", outputs[:, i]) for i, c in enumerate(est.classes_))])
 
 
 def _fail(message: str) -> int:
@@ -178,19 +231,25 @@ def _predict(args: argparse.Namespace) -> int:
     from tabfm.launch import run_torchrun, worker_argv
 
     for flag, value in (("--nproc", args.nproc), ("--n-estimators", args.n_estimators),
-                        ("--batch-size", args.batch_size)):
+                        ("--batch-size", args.batch_size), ("--batch-rows", args.batch_rows),
+                        ("--data-parallel", args.data_parallel)):
         if value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    if args.nproc > 1 and args.data_parallel > 1:
+        return _fail(f"--nproc {args.nproc} splits the model, --data-parallel {args.data_parallel} the test rows; "
+                     "choose one")
     if args.layout is not None and args.layout[0] * args.layout[1] != args.nproc:
         return _fail(f"--layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}")
     try:  # before any work, and before torchrun starts processes
         table_io.check_output(args.output, (args.train, args.test))
-        if args.nproc == 1:
+        if args.nproc == 1 and args.data_parallel == 1:
             return run_prediction(args)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
-    # --nproc stays with the launcher: each rank takes its share from torchrun's environment.
-    return run_torchrun(__name__, worker_argv(worker_parser(), args, skip=("nproc",)), args.nproc)
+    # --nproc stays with the launcher (each rank takes its share from torchrun's environment); --data-parallel
+    # goes to the ranks too: it tells them to split the rows rather than the model.
+    nproc = max(args.nproc, args.data_parallel)
+    return run_torchrun(__name__, worker_argv(worker_parser(), args, skip=("nproc",)), nproc)
 
 
 def worker_parser() -> argparse.ArgumentParser:

@@ -230,12 +230,13 @@ class TableScan:
     """A table file read in batches of rows, for tables larger than memory (`tabfm predict --test`).
 
     Opening it checks what read_table checks up front (the file, its header, at least one row: counted in one
-    streaming pass). batches() then reads the cells as text and gives each column the type it has in another table
+    streaming pass) and reads the first `check_rows` rows, so a file that is bad from the start is refused before
+    any work; a bad row further on raises the same TableError from batches(). batches() reads the cells as text and gives each column the type it has in another table
     (the train table's schema), cell by cell, so a batch whose column happens to be all missing or all integers is
     read exactly as in any other batch, whatever the batch size.
     """
 
-    def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES):
+    def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES, check_rows: int = 1000):
         import polars as pl
 
         self.path, _ = _checked_file(path)
@@ -250,6 +251,7 @@ class TableScan:
             self.columns: list[str] = self._frame.collect_schema().names()
             _check_header(self.path, self.columns)
             self.n_rows: int = self._frame.select(pl.len()).collect().item()
+            self._frame.head(check_rows).collect()
         if self.n_rows == 0:
             raise TableError(f"{self.path}: has a header ({len(self.columns)} columns) but no rows")
 
