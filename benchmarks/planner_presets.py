@@ -33,11 +33,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/planner_presets.txt")
     args = p.parse_args(argv)
 
+    from tabfm.config import load_topology as load_preset
     from tabfm.parallel import planner
-    from tabfm.parallel.topology import load_preset
+    from tabfm.plan_config import load_plan
 
     started = time.time()
-    spec, options = planner.load_config(args.config)
+    cfg = load_plan(args.config)
+    spec, options = cfg.model, cfg.options()
     lines = ["ATP vs Megatron 1D on preset machines (planner predictions from vendor figures, not measurements)",
              f"model: {spec.describe()}; AdamW; dtype of each preset (bfloat16)", ""]
     head = (f"{'preset':<20} {'N':>3}  {'layout':<16} {'step ms':>8} {'exposed ms':>10} {'GB/dev total':>12} "

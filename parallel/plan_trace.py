@@ -59,7 +59,11 @@ ModelSource = Callable[[], tuple[nn.Module, Plan | Parallelizer, InputSpec]]
 
 @dataclass(frozen=True)
 class TransformerSpec:
-    """A stack of pre-norm transformer blocks (dense.BlockStack) on a [batch, seq, hidden] input."""
+    """A stack of pre-norm transformer blocks (dense.BlockStack) on a [batch, seq, hidden] input; a plan config
+    writes it `model: {kind: transformer, depth: ..., ...}` (tabfm.plan_config.load_plan)."""
+
+    KIND = "transformer"
+    """Its tag among the models a plan config may name."""
 
     depth: int = 2
     """Blocks."""
@@ -81,18 +85,6 @@ class TransformerSpec:
                 raise ValueError(f"model.{f.name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"model.hidden={self.hidden} is not divisible by model.heads={self.heads}")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TransformerSpec:
-        raw = dict(raw)
-        kind = raw.pop("kind", "transformer")
-        if kind != "transformer":
-            raise ValueError(f"model.kind {kind!r} is not known to the planner; valid kinds: ['transformer']")
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(raw) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown model keys {unknown}; valid keys are {['kind'] + valid}")
-        return cls(**raw)
 
     def __call__(self) -> tuple[nn.Module, Plan, tuple[int, ...]]:
         model = dense.BlockStack(self.depth, self.hidden, self.heads, self.mlp_ratio)

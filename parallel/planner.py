@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from tabfm.parallel.topology import AXES, Topology
 __all__ = ["AXES", "CHUNKS", "DTYPES", "OPTIMIZERS", "PHASES", "Candidate", "Collective", "ComputeModel",
            "Extrapolated", "InputSpec", "Memory", "ModelSource", "Op", "Parallelizer", "PlanOptions", "Trace",
            "TransformerSpec", "Wait", "choose_layout", "choose_layout_from", "draw", "dtype_name", "format_bytes",
-           "load_config", "memory", "plan", "price", "table", "trace"]
+           "memory", "plan", "price", "table", "trace"]
 
 CHUNKS = (1, 2, 4, 8)
 
@@ -198,7 +197,7 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plan configs (YAML): a `model:` section and an optional `plan:` section
+# Search settings (the `plan:` section of a plan config; tabfm.plan_config.load_plan reads the file)
 # ---------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -216,37 +215,6 @@ class PlanOptions:
     memory_fraction: float = 0.9
     """Share of a device's memory the plan may use."""
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> PlanOptions:
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(raw) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown plan keys {unknown}; valid keys are {valid}")
-        raw = dict(raw)
-        for key in ("sequence_parallel", "chunks"):
-            if key in raw:
-                value = raw[key]
-                raw[key] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        return cls(**raw)
-
     def kwargs(self) -> dict[str, Any]:
+        """The settings as keyword arguments of plan()."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def load_config(path: str | Path) -> tuple[TransformerSpec, PlanOptions]:
-    """Read a plan config: `model:` (the transformer spec) and an optional `plan:` section."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"config {path} must be a mapping with a `model:` section")
-    unknown = sorted(set(raw) - {"model", "plan"})
-    if unknown:
-        raise ValueError(f"config {path}: unknown sections {unknown}; valid sections are ['model', 'plan']")
-    if "model" not in raw:
-        keys = ", ".join(f.name for f in fields(TransformerSpec))
-        raise ValueError(f"config {path} has no `model:` section (keys: kind, {keys})")
-    return TransformerSpec.from_dict(raw["model"] or {}), PlanOptions.from_dict(raw.get("plan") or {})

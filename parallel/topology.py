@@ -14,7 +14,8 @@ Costs are in ring traffic: `AxisCost.seconds(traffic)` = alpha + traffic / bandw
 each device sends (CommTally.traffic: 2(n-1)/n of the tensor for an all-reduce, (n-1)/n for the others).
 
 Two sources:
-    preset     a YAML file under configs/topology/ (a machine one may not have), `load_preset(name)` (here)
+    preset     a YAML file under configs/topology/ (a machine one may not have): TopologyPreset (here) is its
+               schema, read by tabfm.config.load_topology(name)
     measured   collective microbenchmarks on the real groups of every candidate mesh, all groups of an axis at
                once, fitted by least squares to (alpha, bandwidth) per mesh and axis, cached in a JSON file per
                machine and world size (`measure`, `load_or_measure`: topology_measure.py, importable from here)
@@ -23,16 +24,12 @@ Two sources:
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 GB = 1e9
 AXES = ("tp0", "tp1")
-_REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "topology"
-"""configs/topology of a source checkout; in an installed wheel (tabfm/parallel/topology.py) tabfm/configs/topology."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,8 +160,7 @@ class Topology:
     def check_nproc(self, nproc: int) -> None:
         if nproc != self.devices:
             raise ValueError(f"topology {self.name!r} describes {self.devices} devices, but --nproc is {nproc}; "
-                             f"use --nproc {self.devices}, or a topology for {nproc} devices"
-                             + _presets_for(nproc))
+                             f"use --nproc {self.devices}, or a topology for {nproc} devices")
 
 
 def axis_groups(d0: int, d1: int, axis: str) -> list[list[int]]:
@@ -309,75 +305,86 @@ def emulated(name: str, levels: list[Level], real: MeasuredTopology, description
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Presets
+# Presets: the schema of a preset YAML file (configs/topology/; tabfm.config.load_topology reads one)
 # ---------------------------------------------------------------------------------------------------------
 
-def preset_dir() -> Path:
-    return Path(os.environ.get("TABFM_TOPOLOGY_DIR", _REPO_CONFIGS))
+@dataclass(frozen=True)
+class PresetCompute:
+    """A device's compute as a preset gives it: vendor peaks and the share of them assumed reached."""
+
+    peak_tflops: float
+    """Vendor peak of dense matrix multiplies in the preset's dtype, TFLOP/s."""
+    memory_bandwidth_gbs: float
+    """Vendor peak memory bandwidth, GB/s."""
+    matmul_efficiency: float = 1.0
+    """Share of peak_tflops a large matrix multiply reaches."""
+    memory_efficiency: float = 1.0
+    """Share of memory_bandwidth_gbs elementwise ops reach."""
+    op_overhead_us: float = 5.0
+    """Microseconds of framework / launch overhead per op."""
+
+    def rates(self) -> ComputeRates:
+        return ComputeRates(matmul_flops=self.peak_tflops * 1e12 * self.matmul_efficiency,
+                            memory_bandwidth=self.memory_bandwidth_gbs * GB * self.memory_efficiency,
+                            op_overhead=self.op_overhead_us * 1e-6)
 
 
-def preset_names() -> list[str]:
-    d = preset_dir()
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+@dataclass(frozen=True)
+class PresetLevel:
+    """One level of a preset's hierarchy, in the units of datasheets."""
+
+    name: str
+    span: int
+    """Ranks in one unit of this level; each level's span divides the next's."""
+    alpha_us: float
+    """Microseconds per collective whose slowest link is at this level."""
+    bandwidth_gbs: float
+    """GB/s one device sends to a device it shares only this level with (vendor figure)."""
+    efficiency: float = 1.0
+    """Share of bandwidth_gbs (and, unless uplink_efficiency says otherwise, of uplink_gbs) reached."""
+    uplink_gbs: float | None = None
+    """GB/s out of one unit of this level towards the next, shared by the ring edges that cross it."""
+    uplink_efficiency: float | None = None
+    """Share of uplink_gbs reached (default: efficiency)."""
+    source: str | None = None
+    """Where the numbers come from."""
+
+    def level(self) -> Level:
+        eff = self.efficiency
+        up_eff = eff if self.uplink_efficiency is None else self.uplink_efficiency
+        up = None if self.uplink_gbs is None else self.uplink_gbs * GB * up_eff
+        return Level(self.name, self.span, self.alpha_us * 1e-6, self.bandwidth_gbs * GB * eff, up)
 
 
-def _presets_for(nproc: int) -> str:
-    names = []
-    for name in preset_names():
-        try:
-            if load_preset(name).devices == nproc:
-                names.append(name)
-        except ValueError:
-            continue
-    return f" (presets for {nproc} devices: {', '.join(names)})" if names else ""
+@dataclass(frozen=True)
+class TopologyPreset:
+    """A preset machine as its YAML file describes it (configs/topology/*.yaml)."""
 
+    devices: int
+    """Ranks of the machine."""
+    memory_gb: float
+    """Memory per device available to the model, GB."""
+    compute: PresetCompute
+    """How fast one device computes."""
+    levels: tuple[PresetLevel, ...]
+    """The hierarchy, lowest level first."""
+    name: str | None = None
+    """The topology's name (default: the file's stem)."""
+    description: str = ""
+    dtype: str = "bfloat16"
+    """The training dtype the plan counts bytes in, unless the planner is told otherwise."""
+    overlap: bool = True
+    """Whether a collective can progress while the device computes."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where the numbers come from, per field."""
 
-_PRESET_KEYS = {"name", "description", "devices", "memory_gb", "dtype", "overlap", "compute", "levels", "sources"}
-_COMPUTE_KEYS = {"peak_tflops", "matmul_efficiency", "memory_bandwidth_gbs", "memory_efficiency", "op_overhead_us"}
-_LEVEL_KEYS = {"name", "span", "alpha_us", "bandwidth_gbs", "efficiency", "uplink_gbs", "uplink_efficiency", "source"}
-
-
-def _check_keys(where: str, got: dict, allowed: set[str], required: set[str]) -> None:
-    unknown = set(got) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid keys are {sorted(allowed)}")
-    missing = required - set(got)
-    if missing:
-        raise ValueError(f"{where}: missing keys {sorted(missing)}")
-
-
-def load_preset(name: str) -> HierarchicalTopology:
-    """A preset by name (a YAML file in configs/topology/) or by path to a YAML file."""
-    import yaml
-
-    path = Path(name)
-    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
-        path = preset_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown topology preset {name!r}; choose one of {', '.join(preset_names()) or '(none)'}"
-                         f", 'measure', or a path to a preset YAML file")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    where = f"topology preset {path}"
-    _check_keys(where, raw, _PRESET_KEYS, {"devices", "memory_gb", "compute", "levels"})
-    c = raw["compute"]
-    _check_keys(f"{where} compute", c, _COMPUTE_KEYS, {"peak_tflops", "memory_bandwidth_gbs"})
-    compute = ComputeRates(
-        matmul_flops=c["peak_tflops"] * 1e12 * c.get("matmul_efficiency", 1.0),
-        memory_bandwidth=c["memory_bandwidth_gbs"] * GB * c.get("memory_efficiency", 1.0),
-        op_overhead=c.get("op_overhead_us", 5.0) * 1e-6,
-    )
-    levels = []
-    for k, lv in enumerate(raw["levels"]):
-        _check_keys(f"{where} level {k}", lv, _LEVEL_KEYS, {"name", "span", "alpha_us", "bandwidth_gbs"})
-        eff = lv.get("efficiency", 1.0)
-        up = None if lv.get("uplink_gbs") is None else lv["uplink_gbs"] * GB * lv.get("uplink_efficiency", eff)
-        levels.append(Level(lv["name"], int(lv["span"]), lv["alpha_us"] * 1e-6, lv["bandwidth_gbs"] * GB * eff, up))
-    return HierarchicalTopology(
-        name=raw.get("name", path.stem), devices=int(raw["devices"]), compute=compute,
-        memory_bytes=raw["memory_gb"] * GB, overlap=bool(raw.get("overlap", True)), dtype=raw.get("dtype", "bfloat16"),
-        description=raw.get("description", ""), levels=levels, sources=raw.get("sources", {}),
-    )
+    def topology(self, default_name: str) -> HierarchicalTopology:
+        """The preset as the planner's topology (named `default_name` unless it names itself)."""
+        return HierarchicalTopology(
+            name=self.name or default_name, devices=self.devices, compute=self.compute.rates(),
+            memory_bytes=self.memory_gb * GB, overlap=self.overlap, dtype=self.dtype, description=self.description,
+            levels=[lv.level() for lv in self.levels], sources=dict(self.sources),
+        )
 
 
 def describe(topology: Topology, d0: int, d1: int) -> str:

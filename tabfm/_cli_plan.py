@@ -6,22 +6,11 @@ import argparse
 import sys
 
 
-def _preset_names() -> list[str]:
-    """The topology presets, listed without importing tabfm.parallel.topology (it imports torch, which would make
-    `tabfm --help` take seconds): the same folder as topology.preset_dir(), found from where that module lives."""
-    import importlib.util
-    import os
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("tabfm.parallel.topology")
-    repo_configs = Path(spec.origin).resolve().parents[1] / "configs" / "topology" if spec and spec.origin else None
-    folder = os.environ.get("TABFM_TOPOLOGY_DIR") or repo_configs
-    return sorted(p.stem for p in Path(folder).glob("*.yaml")) if folder and Path(folder).is_dir() else []
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the `tabfm` command."""
-    presets = _preset_names()
+    from tabfm.config_io import preset_names  # imports no torch: `tabfm --help` stays fast
+
+    presets = preset_names("topology")
     p = subparsers.add_parser(
         "plan",
         help="rank the tensor-parallel layouts of N ranks for a model (ATP planner)",
@@ -29,8 +18,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "price them on a topology (a preset machine, or this one measured), and print every layout d0 x d1 x "
         "sequence parallelism x overlap chunks ranked by predicted step time, with the rejected ones and why.",
     )
-    p.add_argument("--config", required=True, help="YAML with a `model:` section (and optionally `plan:`), "
-                   "e.g. configs/plan/transformer_small.yaml")
+    p.add_argument("--config", required=True, help="a pretraining run config (plans the TabFM it trains, e.g. "
+                   "configs/pretrain/large.yaml) or a plan config with a plain transformer (model: {kind: "
+                   "transformer, ...}, e.g. configs/plan/transformer_small.yaml); either may hold a `plan:` section")
+    p.add_argument("--set", nargs="+", default=[], metavar="A.B=C",
+                   help="override config fields, e.g. model.depth=4 plan.chunks=[1,2]")
     p.add_argument("--nproc", type=int, required=True, help="tensor-parallel ranks N = d0 * d1")
     p.add_argument("--topology", default="measure",
                    help=f"a preset ({', '.join(presets) or 'none found'}), a path to a preset YAML, or 'measure' "
@@ -42,39 +34,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _source(path: str):
-    """A plan config (`model: {kind: transformer, ...}`) or a pretraining run config (the TabFM it trains, on its
-    largest tables): the planner's model source and search options."""
-    from pathlib import Path
-
-    import yaml
-
-    from tabfm.parallel import planner
-
-    raw = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
-    model = raw.get("model") if isinstance(raw, dict) else None
-    if isinstance(model, dict) and model.get("kind", "transformer") == "transformer" and "embed_dim" not in model:
-        return planner.load_config(path)
-    from tabfm.config import load_config
-    from tabfm.layout import source_for
-
-    cfg = load_config(path)
-    return source_for(cfg), planner.PlanOptions(dtype=cfg.train.compute_dtype)
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the ranked table (and draw it); 0 on success, 2 on bad input (with what to change)."""
+    from tabfm.config import load_topology
+    from tabfm.layout import source_for
     from tabfm.parallel import planner
-    from tabfm.parallel.topology import load_or_measure, load_preset
+    from tabfm.parallel.plan_trace import TransformerSpec
+    from tabfm.parallel.topology import load_or_measure
+    from tabfm.plan_config import load_plan
 
     try:
-        spec, options = _source(args.config)
+        cfg = load_plan(args.config, args.set)
+        spec = cfg.model if isinstance(cfg.model, TransformerSpec) else source_for(cfg)
+        options = cfg.options()
         if args.nproc < 1:
             raise ValueError(f"--nproc must be a positive integer, got {args.nproc}")
         if args.topology == "measure":
             topology = load_or_measure(args.nproc)
         else:
-            topology = load_preset(args.topology)
+            topology = load_topology(args.topology, args.nproc)
         ranked = planner.plan(spec, topology, args.nproc, **options.kwargs())
         best, reason = planner.choose_layout_from(ranked, topology)
     except ValueError as e:

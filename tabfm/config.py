@@ -1,6 +1,15 @@
-"""Typed run configuration (STYLE 9): nested dataclasses with one docstring per field, YAML files, and
-`--set a.b=c` overrides. Precedence: --set over the file over the defaults. Unknown keys are rejected with the
-valid ones listed; each component is handed only its own section (the model gets `model`, the loader `data`).
+"""The configs of the project and their loaders, all built by one typed loader (tabfm.config_io): nested
+dataclasses with one docstring per field, YAML files, and `--set a.b=c` overrides (STYLE 9). Precedence: --set over
+the file over the defaults. Unknown keys are rejected with the valid ones listed, and every error is one line naming
+the key and its file; each component is handed only its own section (the model gets `model`, the loader `data`).
+
+    load_config(path, overrides)     a pretraining run: RunConfig
+    ModelConfig.load(name_or_path)   a model preset (configs/model/) or file
+    load_plan(path, overrides)       `tabfm plan`: a run config or a plain transformer (configs/plan/), in
+                                     tabfm.plan_config (it imports the planner)
+    load_topology(name_or_path)      a topology preset (configs/topology/) or file, as the planner's Topology
+
+A run config's sections:
 
     model:    ModelConfig (tabfm.model); `model: small` names a preset, `model: {preset: small, embed_dim: 64}`
               starts from one
@@ -14,17 +23,21 @@ Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{typ
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tabfm.config_io import (ConfigError, apply_overrides, from_dict, load, preset_names, preset_path, read_yaml,
+                             shown, to_dict)
 from tabfm.data.config import DataConfig
 from tabfm.model import ModelConfig
+from tabfm.parallel.topology import HierarchicalTopology, TopologyPreset
+
+__all__ = ["ConfigError", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "apply_overrides",
+           "dump_config", "from_dict", "load_config", "load_topology", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -173,184 +186,43 @@ class RunConfig:
     """The training loop."""
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as plain YAML/JSON-able data (what checkpoints record as the run's config)."""
         return to_dict(self)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# dict <-> dataclass
+# Loaders
 # ---------------------------------------------------------------------------------------------------------
 
-def to_dict(obj: Any) -> Any:
-    """A config as plain YAML/JSON-able data (distribution fields carry their `type`)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        if _is_distribution(type(obj)):
-            out = {"type": type(obj).__name__, **out}
-        return out
-    if isinstance(obj, tuple | list):
-        return [to_dict(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
-    return obj
+def load_config(path: str | Path | None = None, overrides: Sequence[str] | None = None) -> RunConfig:
+    """A pretraining run: defaults, then the YAML file (if any), then the `a.b=c` overrides."""
+    return load(RunConfig, path, overrides or ())
 
 
-def _is_distribution(cls: type) -> bool:
-    return hasattr(cls, "sample") and hasattr(cls, "check")
+def load_topology(name_or_path: str | Path, nproc: int | None = None) -> HierarchicalTopology:
+    """A topology preset by name (configs/topology/, or TABFM_TOPOLOGY_DIR) or a path to a preset YAML file; with
+    `nproc`, ConfigError naming the presets for that many devices when it describes another number."""
+    path = preset_path("topology", name_or_path, also=["measure (this machine)"])
+    preset = from_dict(TopologyPreset, read_yaml(path), origin=f"in {shown(path)}")
+    topology = preset.topology(default_name=path.stem)
+    if nproc is not None:
+        try:
+            topology.check_nproc(nproc)
+        except ValueError as e:
+            raise ConfigError(f"{e}{_topologies_for(nproc)} (devices in {shown(path)})") from None
+    return topology
 
 
-def _union_args(tp: Any) -> tuple | None:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return typing.get_args(tp)
-    return None
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """`value` (from YAML) as type `tp`, or ValueError naming `where`."""
-    if tp is Any:  # lists become tuples, as in the defaults (frozen configs stay hashable)
-        return tuple(_convert(v, Any, where) for v in value) if isinstance(value, list) else value
-    args = _union_args(tp)
-    if args is not None:
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        classes = [a for a in options if dataclasses.is_dataclass(a)]
-        if classes and isinstance(value, dict):
-            names = {c.__name__.lower(): c for c in classes}
-            kind = str(value.get("type", "")).lower()
-            if kind not in names:
-                raise ValueError(f"{where}: give 'type' as one of {[c.__name__ for c in classes]}, got {value!r}")
-            return from_dict(names[kind], {k: v for k, v in value.items() if k != "type"}, where)
-        for option in options:
-            try:
-                return _convert(value, option, where)
-            except ValueError:
-                continue
-        raise ValueError(f"{where}: {value!r} is not any of {[getattr(a, '__name__', str(a)) for a in options]}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, str) and hasattr(tp, "load"):
-            return tp.load(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, where)
-    origin = typing.get_origin(tp)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a mapping, got {value!r}")
-        kt, vt = typing.get_args(tp) or (Any, Any)
-        return {_convert(k, kt, where): _convert(v, vt, f"{where}.{k}") for k, v in value.items()}
-    if origin in (tuple, list) or tp in (tuple, list):
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"{where} must be a list, got {value!r}")
-        targs = typing.get_args(tp)
-        if origin is tuple and len(targs) == 2 and targs[1] is Ellipsis:
-            items = [_convert(v, targs[0], where) for v in value]
-        elif origin is tuple and targs:
-            if len(targs) != len(value):
-                raise ValueError(f"{where} needs {len(targs)} items, got {value!r}")
-            items = [_convert(v, t, where) for v, t in zip(value, targs, strict=True)]
-        else:
-            items = list(value)
-        return tuple(items) if (origin or tp) is tuple else items
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, got {value!r}")
-        return value
-    return value
-
-
-def from_dict(cls: type, d: dict[str, Any], where: str = "") -> Any:
-    """Build dataclass `cls` from a (partial) mapping; missing fields keep their defaults. Unknown keys raise
-    ValueError listing the valid ones."""
-    if cls is ModelConfig and "preset" in d:  # start from a preset, then apply the rest
-        d = {**ModelConfig.load(d["preset"]).to_dict(), **{k: v for k, v in d.items() if k != "preset"}}
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in d if k not in names]
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(prefix + k for k in unknown)}; valid keys{' of ' + where if where else ''}: "
-                         f"{', '.join(names)}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in d.items()}
-    return cls(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Files and overrides
-# ---------------------------------------------------------------------------------------------------------
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'a.b=c' -> (['a', 'b'], c parsed as YAML: numbers, booleans, lists, mappings)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"--set {text!r}: write it as section.key=value, e.g. optim.lr=3e-4")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`raw` with every `a.b=c` override set (nested mappings are created as needed)."""
-    raw = _expand_model(dict(raw))
-    for text in overrides:
-        path, value = parse_override(text)
-        node = raw
-        for key in path[:-1]:
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            elif not isinstance(child, dict):
-                raise ValueError(f"--set {text!r}: {key} is a value, not a section")
-            else:
-                child = node[key] = dict(child)
-            node = child
-        if path == ["model"] and isinstance(value, str):
-            value = ModelConfig.load(value).to_dict()
-        node[path[-1]] = value
-    return raw
-
-
-def _expand_model(raw: dict[str, Any]) -> dict[str, Any]:
-    """`model: small` or `model: {preset: small, ...}` as the full mapping, so overrides can refine it."""
-    model = raw.get("model")
-    if isinstance(model, str):
-        raw["model"] = ModelConfig.load(model).to_dict()
-    elif isinstance(model, dict) and "preset" in model:
-        raw["model"] = {**ModelConfig.load(model["preset"]).to_dict(),
-                        **{k: v for k, v in model.items() if k != "preset"}}
-    return raw
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the YAML file (if any), then the `a.b=c` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} must hold a mapping of sections ({', '.join(_sections())})")
-    return from_dict(RunConfig, apply_overrides(raw, overrides or []))
-
-
-def _sections() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]
+def _topologies_for(nproc: int) -> str:
+    """' (presets for N devices: a, b)', or '' when there are none."""
+    names = []
+    for name in preset_names("topology"):
+        try:
+            if from_dict(TopologyPreset, read_yaml(preset_path("topology", name))).devices == nproc:
+                names.append(name)
+        except ConfigError:
+            continue
+    return f" (presets for {nproc} devices: {', '.join(names)})" if names else ""
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -123,9 +123,10 @@ def source_for(cfg) -> TabFMSource:
 
 
 def _topology(name: str, nproc: int):
-    from tabfm.parallel.topology import load_or_measure, load_preset
+    from tabfm.config import load_topology
+    from tabfm.parallel.topology import load_or_measure
 
-    return load_or_measure(nproc) if name == "measure" else load_preset(name)
+    return load_or_measure(nproc) if name == "measure" else load_topology(name, nproc)
 
 
 def resolve_layout(cfg, world_size: int, out_dir: Path | None = None):

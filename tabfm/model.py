@@ -40,23 +40,27 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from tabfm.blocks import Block, BlockStack, KVCache
+from tabfm.config_io import from_dict, load_preset, preset_dir
 from tabfm.data.encode import Batch
 
 TargetStats = tuple[torch.Tensor, torch.Tensor]
 """(mean, std) [B, 1] of each table's regression targets over its train rows."""
 
-_PACKAGE = Path(__file__).resolve().parent
-CONFIG_DIR = (_PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs") / "model"
+CONFIG_DIR = preset_dir("model")
 """The size presets: configs/model of a source checkout, or the copy an installed wheel ships in tabfm/configs."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Constructor arguments of TabFM; checkpoints carry them so the model can be rebuilt (STYLE 10)."""
+
+    PRESETS = "model"
+    """Configs may name a size preset, configs/model/<name>.yaml (tabfm.config_io)."""
+    KIND = "tabfm"
+    """Its tag among the models a plan config may name (tabfm.config.PlanConfig)."""
 
     embed_dim: int = 32
     """E: width of a cell token (CellEncoder, ColumnAttention, RowAttention, RowCompression)."""
@@ -112,25 +116,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """Build from a mapping, rejecting unknown keys with the list of valid ones."""
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; valid keys: {', '.join(valid)}")
-        return cls(**d)
+        """Build from a mapping (`preset: name` starts from a preset); ConfigError, a ValueError naming the key, on
+        unknown keys (listing the valid ones) and bad values."""
+        return from_dict(cls, d)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> ModelConfig:
         """A size preset by name (tiny, small, base, large: configs/model/<name>.yaml) or a YAML file."""
-        path = Path(name_or_path)
-        if not path.suffix:
-            path = CONFIG_DIR / f"{name_or_path}.yaml"
-        if not path.is_file():
-            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise ValueError(f"no model config {str(name_or_path)!r}; presets: {', '.join(presets)}, or a .yaml path")
-        return cls.from_dict(yaml.safe_load(path.read_text()) or {})
+        return load_preset(cls, name_or_path)
 
     def to_dict(self) -> dict:
+        """The constructor arguments as a plain mapping (what checkpoints carry)."""
         return dataclasses.asdict(self)
 
 

@@ -404,9 +404,9 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
     process count and the model, the topology preset of layout auto, the device, and what train.out_dir holds."""
     check_run_layout(cfg, world_size)
     if cfg.parallel.layout == "auto" and cfg.parallel.topology != "measure":
-        from tabfm.parallel.topology import load_preset
+        from tabfm.config import load_topology
 
-        load_preset(cfg.parallel.topology)  # a misspelled preset: here, not on rank 0 once every rank has started
+        load_topology(cfg.parallel.topology)  # a misspelled preset: here, not on rank 0 once every rank has started
     _device(cfg)
     check_out_dir(Path(cfg.train.out_dir), resume, overwrite)
 

@@ -152,7 +152,8 @@ def test_a_config_error_under_nproc_is_one_line_in_seconds(tmp_path):
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     seconds = time.perf_counter() - tic
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["config error: train.steps must be an integer, got 'ten'"]
+    assert out.stderr.strip().splitlines() == ["config error: train.steps must be an integer, got 'ten' "
+                                               "(from --set train.steps=ten)"]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
     # ~4 s on the idle 2-core machine (torch's import); 15 s at load 17. The lines above are what tells the old
     # failure from the new one; this bound only catches a launcher that waits for workers again.

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tabfm.config import load_config
+from tabfm.config import load_config, load_topology
 from tabfm.layout import TabFMSource, resolve_layout, source_for
 from tabfm.parallel import planner
-from tabfm.parallel.topology import load_preset
 from tabfm.pretrain import check_run_layout, train
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "pretrain" / "tiny.yaml"
@@ -38,7 +37,7 @@ def test_tabfm_source_counts_the_real_model(tmp_path):
     cfg = _auto_cfg(tmp_path)
     source = source_for(cfg)
     assert isinstance(source, TabFMSource) and "TabFM" in source.describe()
-    ranked = planner.plan(source, load_preset(str(tmp_path / "pairs.yaml")), 4, chunks=(1,))
+    ranked = planner.plan(source, load_topology(str(tmp_path / "pairs.yaml")), 4, chunks=(1,))
     valid = [c for c in ranked if c.valid]
     assert {(c.d0, c.d1) for c in valid} == {(4, 1), (2, 2), (1, 4)}
     assert all(c.volume["tp0"] > 0 for c in valid if c.d0 > 1)
@@ -60,7 +59,7 @@ def _train_auto(tmp: str) -> tuple:
 
 def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path):
     cfg = _auto_cfg(tmp_path)
-    best, _ = planner.choose_layout(source_for(cfg), load_preset(str(tmp_path / "pairs.yaml")), 4,
+    best, _ = planner.choose_layout(source_for(cfg), load_topology(str(tmp_path / "pairs.yaml")), 4,
                                     dtype=cfg.train.dtype)
     results = ranks(4).run(_train_auto, str(tmp_path))
     chosen = results[0]

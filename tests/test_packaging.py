@@ -19,8 +19,8 @@ import sys, tabfm
 from pathlib import Path
 assert Path(tabfm.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), tabfm.__file__
 from tabfm.model import ModelConfig
-from tabfm.parallel.topology import load_preset
-print(ModelConfig.load("small").embed_dim, ModelConfig.load("base").embed_dim, load_preset("nvswitch8").name)
+from tabfm.config import load_topology
+print(ModelConfig.load("small").embed_dim, ModelConfig.load("base").embed_dim, load_topology("nvswitch8").name)
 import numpy as np
 from tabfm import TabFMClassifier
 rng = np.random.default_rng(0)

@@ -15,12 +15,14 @@ import pytest
 import torch
 from dist_harness import get_mesh
 
+from tabfm.config import load_topology
+from tabfm.config_io import preset_names
 from tabfm.parallel import planner
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.parallelize import parallelize
 from tabfm.parallel.planner import Collective, Extrapolated, TransformerSpec, choose_layout, plan, price, trace
-from tabfm.parallel.topology import (AXES, ComputeRates, HierarchicalTopology, Level, fit_alpha_beta, load_preset,
-                                     measure_axes, preset_names, read_measured, write_measured)
+from tabfm.parallel.topology import (AXES, ComputeRates, HierarchicalTopology, Level, fit_alpha_beta, measure_axes,
+                                     read_measured, write_measured)
 
 SPEC = TransformerSpec(depth=2, hidden=16, heads=4, mlp_ratio=4, seq=8, batch=2)
 LAYOUTS = [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 2, 2), (4, 1, 4)]
@@ -83,7 +85,7 @@ def test_trace_is_a_timeline_of_ops_launches_and_waits():
 
 
 def test_depth_extrapolation_is_exact():
-    topo = load_preset("nvswitch8")
+    topo = load_topology("nvswitch8")
     compute = planner.ComputeModel(topo.compute)
     deep = SPEC.with_depth(5)
     for d0, d1, sp, k in [(2, 4, True, 2), (8, 1, False, 1), (1, 8, False, 4)]:
@@ -110,7 +112,7 @@ def _machine(levels, devices, overlap=True, memory=1e12) -> HierarchicalTopology
 
 
 def test_matrix_uses_the_lowest_shared_level():
-    topo = load_preset("nvswitch8x2-ib")
+    topo = load_topology("nvswitch8x2-ib")
     m = topo.matrix()
     assert m[3][3] is None
     assert m[0][7].bottleneck == "nvswitch" and m[0][8].bottleneck == "infiniband"
@@ -237,29 +239,27 @@ def test_nothing_satisfies_the_constraints_lists_what_would():
 
 
 def test_bad_input_is_a_clear_value_error():
-    with pytest.raises(ValueError, match=r"unknown topology preset 'dgx-nope'; choose one of .*nvswitch8"):
-        load_preset("dgx-nope")
-    assert {"pcie8-nvlink-pairs", "nvswitch8", "nvswitch8x2-ib", "nvswitch8x4-ib", "flat64"} <= set(preset_names())
+    with pytest.raises(ValueError, match=r"unknown topology preset 'dgx-nope'; presets: .*nvswitch8.*measure"):
+        load_topology("dgx-nope")
+    assert {"pcie8-nvlink-pairs", "nvswitch8", "nvswitch8x2-ib", "nvswitch8x4-ib", "flat64"} <= set(preset_names("topology"))
     with pytest.raises(ValueError, match=r"describes 8 devices, but --nproc is 4.*presets for 4 devices|"
                                          r"describes 8 devices, but --nproc is 4; use --nproc 8"):
-        plan(SPEC, load_preset("nvswitch8"), 4)
-    with pytest.raises(ValueError, match=r"presets for 16 devices: nvswitch8x2-ib"):
-        plan(SPEC, load_preset("nvswitch8"), 16)
+        plan(SPEC, load_topology("nvswitch8"), 4)
+    with pytest.raises(ValueError, match=r"describes 8 devices, but --nproc is 16; use --nproc 8"):
+        plan(SPEC, load_topology("nvswitch8"), 16)
+    with pytest.raises(ValueError, match=r"presets for 16 devices: nvswitch8x2-ib\) \(devices in .*nvswitch8.yaml\)"):
+        load_topology("nvswitch8", nproc=16)
     with pytest.raises(ValueError, match="chunk counts must be positive integers"):
-        plan(SPEC, load_preset("nvswitch8"), 8, chunks=(0, 2))
+        plan(SPEC, load_topology("nvswitch8"), 8, chunks=(0, 2))
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
-        plan(SPEC, load_preset("nvswitch8"), 8, dtype="fp8")
-    with pytest.raises(ValueError, match=r"unknown model keys \['layers'\]; valid keys are \['kind', 'depth'"):
-        TransformerSpec.from_dict({"layers": 3})
+        plan(SPEC, load_topology("nvswitch8"), 8, dtype="fp8")
     with pytest.raises(ValueError, match="not divisible by model.heads"):
-        TransformerSpec.from_dict({"hidden": 30, "heads": 4})
-    with pytest.raises(ValueError, match=r"unknown plan keys \['chunk'\]"):
-        planner.PlanOptions.from_dict({"chunk": [1]})
+        TransformerSpec(hidden=30, heads=4)
 
 
 def test_presets_load_and_say_where_numbers_come_from():
-    for name in preset_names():
-        topo = load_preset(name)
+    for name in preset_names("topology"):
+        topo = load_topology(name)
         assert topo.devices in (8, 16, 32, 64) and topo.sources, name
         for d0, d1 in ((topo.devices, 1), (1, topo.devices)):
             for axis in AXES:
@@ -285,7 +285,20 @@ def test_cli_plan(tmp_path, capsys):
     config.write_text("model: {depth: 1, layers: 3}\n")
     args = parser.parse_args(["plan", "--config", str(config), "--nproc", "8", "--topology", "nvswitch8"])
     assert args.run(args) == 2
-    assert "unknown model keys ['layers']" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tabfm plan: unknown config key model.layers; valid keys of model: depth, hidden, heads, "
+                   f"mlp_ratio, seq, batch (in {config})"]
+    config.write_text("model: {kind: transformer, depth: 1, hidden: 64, heads: 8, seq: 16, batch: 2}\n")
+    argv = ["plan", "--config", str(config), "--nproc", "8", "--topology", "nvswitch8", "--set", "plan.chunks=[1]"]
+    args = parser.parse_args([*argv, "model.depth=3", "plan.sequence_parallel=false"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert "transformer depth=3 hidden=64" in out and rows and all(r[2:4] == ["off", "1"] for r in rows)
+    args = parser.parse_args([*argv, "model.heads=3"])
+    assert args.run(args) == 2
+    assert capsys.readouterr().err.strip() == ("tabfm plan: model.hidden=64 is not divisible by model.heads=3 "
+                                               "(from --set model.heads=3)")
 
 
 class _EmbedThenBlocks(torch.nn.Module):

@@ -1,0 +1,179 @@
+"""The one typed config loader (tabfm.config_io) behind run configs, model presets, plan configs and topology presets:
+every shipped file loads with it, `--set` overrides refine presets, and every error is one line that names the key
+and the file (or the --set) its value came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tabfm.config import ConfigError, RunConfig, dump_config, from_dict, load_config, load_topology, to_dict
+from tabfm.config_io import preset_names
+from tabfm.data.priors.hparams import Choice, LogUniform
+from tabfm.model import ModelConfig
+from tabfm.parallel.plan_trace import TransformerSpec
+from tabfm.parallel.topology import HierarchicalTopology
+from tabfm.plan_config import PlanConfig, load_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "pretrain" / "tiny.yaml"
+
+
+def _error(call, *args) -> str:
+    """The message of the ConfigError `call(*args)` raises, checked to be one line."""
+    with pytest.raises(ConfigError) as err:
+        call(*args)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every shipped config, through its loader
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "pretrain").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_run_configs_load_as_runs_and_as_plans(path):
+    run = load_config(path)
+    plan = load_plan(path)
+    assert isinstance(plan.model, ModelConfig) and plan.model == run.model and plan.data == run.data
+    assert plan.options().dtype == run.train.compute_dtype   # a TabFM run is counted in its compute dtype
+
+
+def test_shipped_presets_and_plan_configs_load():
+    assert preset_names("model") == ["base", "large", "small", "tiny"]
+    sizes = [ModelConfig.load(name).embed_dim for name in ("tiny", "small", "base")]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    for path in sorted((ROOT / "configs" / "plan").glob("*.yaml")):
+        cfg = load_plan(path)
+        assert isinstance(cfg.model, TransformerSpec) and cfg.options() == cfg.plan, path
+    assert load_plan(ROOT / "configs/plan/transformer_small.yaml").plan.dtype == "float32"
+    assert load_plan(ROOT / "configs/plan/transformer_large.yaml").model.hidden == 8192
+    for name in preset_names("topology"):
+        topo = load_topology(name)
+        assert isinstance(topo, HierarchicalTopology) and topo.name == name and topo.levels[-1].span == topo.devices
+
+
+def test_a_topology_preset_reads_its_units(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text("devices: 4\nmemory_gb: 2\ncompute: {peak_tflops: 10, memory_bandwidth_gbs: 100, "
+                    "matmul_efficiency: 0.5}\nlevels:\n  - {name: pair, span: 2, alpha_us: 3, bandwidth_gbs: 50, "
+                    "efficiency: 0.8, uplink_gbs: 10}\n  - {name: net, span: 4, alpha_us: 20, bandwidth_gbs: 5}\n")
+    topo = load_topology(path)
+    assert topo.name == "two" and topo.memory_bytes == 2e9 and topo.dtype == "bfloat16" and topo.overlap
+    assert topo.compute.matmul_flops == 10 * 1e12 * 0.5 and topo.compute.op_overhead == 5.0 * 1e-6
+    pair, net = topo.levels
+    assert (pair.alpha, pair.bandwidth, pair.uplink) == (3e-6, 50 * 1e9 * 0.8, 10 * 1e9 * 0.8)  # uplink: level's eff
+    assert (net.span, net.bandwidth, net.uplink) == (4, 5e9, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets and --set overrides
+# ---------------------------------------------------------------------------------------------------------
+
+def test_set_refines_a_named_preset_or_replaces_it():
+    tiny = ModelConfig.load("tiny")
+    cfg = load_config(TINY, ["model.embed_dim=32"])                      # the file says `model: tiny`
+    assert cfg.model == ModelConfig(**{**tiny.to_dict(), "embed_dim": 32})
+    assert load_config(TINY, ["model.preset=base"]).model == ModelConfig.load("base")
+    assert load_config(TINY, ["model=base"]).model == ModelConfig.load("base")
+    assert load_config(TINY, ["model={preset: base, icl_num_blocks: 1}"]).model.icl_num_blocks == 1
+    assert ModelConfig.from_dict({"preset": "tiny", "num_bins": 8}) == ModelConfig(**{**tiny.to_dict(), "num_bins": 8})
+
+
+def test_overrides_parse_as_yaml_and_a_single_value_is_a_one_item_list(tmp_path):
+    cfg = load_config(TINY, ["optim.lr=3e-4", "train.eval_tables=[skl_iris, skl_wine]", "train.eval_tables=skl_iris"])
+    assert cfg.optim.lr == 3e-4 and cfg.train.eval_tables == ("skl_iris",)
+    plan = load_plan(ROOT / "configs/plan/transformer_small.yaml", ["plan.chunks=4", "model.depth=3"])
+    assert plan.plan.chunks == (4,) and plan.model.depth == 3
+
+
+def test_dumped_configs_load_back_equal_with_their_tags(tmp_path):
+    cfg = load_config(TINY, ["data.prior.scm.gain={type: LogUniform, low: 0.5, high: 4}",
+                             "data.prior.mlp.activation={options: [tanh, relu]}"])   # the one class with `options`
+    assert cfg.data.prior.scm.gain == LogUniform(0.5, 4.0) and cfg.data.prior.mlp.activation == Choice(("tanh", "relu"))
+    raw = to_dict(cfg)
+    assert raw["data"]["prior"]["mlp"]["activation"] == {"type": "Choice", "options": ["tanh", "relu"], "weights": None}
+    assert from_dict(RunConfig, json.loads(json.dumps(raw))) == cfg
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "run.yaml") == cfg
+    plan = load_plan(ROOT / "configs/plan/transformer_small.yaml")
+    assert to_dict(plan)["model"]["kind"] == "transformer" and from_dict(PlanConfig, to_dict(plan)) == plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors: one line, naming the key and where its value came from
+# ---------------------------------------------------------------------------------------------------------
+
+def test_errors_name_the_key_and_the_file(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("model: tiny\ndata:\n  table: {max_rowz: 10}\n")
+    assert _error(load_config, run) == (
+        "unknown config key data.table.max_rowz; valid keys of data.table: " + ", ".join(
+            f for f in to_dict(RunConfig().data.table)) + f" (in {run})")
+    run.write_text("train:\n  steps: ten\n")
+    assert _error(load_config, run) == f"train.steps must be an integer, got 'ten' (in {run})"
+    assert _error(load_config, run, ["train.steps=many"]) == \
+        "train.steps must be an integer, got 'many' (from --set train.steps=many)"
+    run.write_text("optim: {lr: 0.1\n")
+    assert _error(load_config, run).startswith(f"{run} is not valid YAML: ")
+    assert "line 2" in _error(load_config, run)
+    run.write_text("- a list\n")
+    assert _error(load_config, run) == f"{run} must hold a mapping of keys to values, got a list"
+    assert _error(load_config, tmp_path / "nope.yaml") == f"config file {tmp_path / 'nope.yaml'} does not exist"
+
+
+def test_a_section_check_blames_the_key_it_names():
+    """A dataclass's own check (__post_init__) names the value; the origin is that key's, not its section's."""
+    assert _error(load_config, TINY, ["model.embed_dim=10"]) == \
+        "model.embed_dim=10 is not divisible by axial_heads=4 (from --set model.embed_dim=10)"
+    assert _error(load_config, TINY, ["train.dtype=bfloat16"]).endswith("(from --set train.dtype=bfloat16)")
+
+
+def test_a_bad_key_of_a_preset_file_names_that_file(tmp_path):
+    model = tmp_path / "mine.yaml"
+    model.write_text("embed_dim: 16\naxial_heads: 3\n")
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{preset: {model}}}\n")
+    assert _error(load_config, run) == f"model.embed_dim=16 is not divisible by axial_heads=3 (in {model})"
+    assert _error(load_config, TINY, ["model=huge"]) == \
+        "unknown model preset 'huge'; presets: base, large, small, tiny, or a path to a .yaml file (from --set model=huge)"
+    assert _error(ModelConfig.load, tmp_path / "gone.yaml").startswith(f"model config file {tmp_path / 'gone.yaml'} "
+                                                                        "does not exist; presets: base")
+
+
+def test_topology_errors_name_the_key_the_file_and_the_choices(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("devices: 2\nmemory_gb: 1\ncompute: {peak_tflops: 1, memory_bandwidth_gbs: 1}\n"
+                    "levels: [{name: net, span: 2, alpha_us: 1, bandwith_gbs: 1}]\n")
+    assert _error(load_topology, path).startswith(
+        f"unknown config key levels[0].bandwith_gbs; valid keys of levels[0]: name, span, alpha_us, bandwidth_gbs")
+    path.write_text("devices: 2\nmemory_gb: 1\nlevels: []\n")
+    assert _error(load_topology, path) == f"missing config key compute (in {path})"
+    assert _error(load_topology, "nvswitch8", 16).startswith(
+        "topology 'nvswitch8' describes 8 devices, but --nproc is 16; use --nproc 8, or a topology for 16 devices "
+        "(presets for 16 devices: nvswitch8x2-ib) (devices in ")
+    assert "presets: flat64, " in _error(load_topology, "dgx") and "measure (this machine)" in _error(load_topology, "dgx")
+
+
+def test_unions_want_a_tag_when_the_keys_do_not_tell():
+    assert _error(load_config, TINY, ["data.prior.scm.gain={low: 1, high: 2}"]) == (
+        "data.prior.scm.gain: give type as one of Uniform, LogUniform, IntUniform, IntLogUniform, got "
+        "{'low': 1, 'high': 2} (from --set data.prior.scm.gain={low: 1, high: 2})")
+    assert _error(load_config, TINY, ["data.prior.scm.gain={type: Gamma, k: 1}"]).startswith(
+        "data.prior.scm.gain.type='Gamma'; use one of Fixed, Uniform, LogUniform")
+    plan = ROOT / "configs/plan/transformer_small.yaml"
+    assert _error(load_plan, plan, ["model.kind=mlp"]).startswith("model.kind='mlp'; use one of transformer, tabfm")
+    assert _error(load_plan, plan, ["model={}"]) == \
+        "model: give kind as one of transformer, tabfm, got {} (from --set model={})"
+
+
+def test_override_mistakes_are_one_line():
+    assert _error(load_config, TINY, ["optim.lr"]) == \
+        "--set 'optim.lr': write it as section.key=value, e.g. optim.lr=3e-4"
+    assert _error(load_config, TINY, ["train.device.kind=cpu"]) == \
+        "--set 'train.device.kind=cpu': train.device is a value, not a section"
+    assert _error(load_config, TINY, ["optim.lr=[1, 2"]).startswith("--set 'optim.lr=[1, 2': the value is not valid YAML")
+    assert _error(load_config, TINY, ["optim.lrr=1"]).endswith("(from --set optim.lrr=1)")
