@@ -19,10 +19,14 @@ from safetensors.torch import load_file, save_file
 from test_model import make_batch
 
 from tabfm import checkpoint as ckpt
+from tabfm import checkpoint_convert, checkpoint_format, checkpoint_io
 from tabfm import cli
 from tabfm.model import ModelConfig, build_model
+from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import ShardSpec, gather_state_dict, shard_tensor
 from tabfm.parallel_model import model_mesh, parallelize_model
+from tabfm.train_checkpoints import CheckpointManager
+from tabfm.train_log import MetricsLog
 
 STEPS = 2
 
@@ -257,7 +261,7 @@ def test_crash_mid_write_keeps_the_last_good_checkpoint(plain, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(ckpt, "_finish", crash)
+    monkeypatch.setattr(checkpoint_io, "finish_folder", crash)
     changed = copy.deepcopy(model)
     with torch.no_grad():
         changed.class_head.bias.add_(1)
@@ -283,7 +287,7 @@ def _rewrite_rank(path: Path, change, name: str = "rank000.safetensors") -> None
     self-consistent checkpoint, as a hostile one would be."""
     f = path / name
     save_file(change(load_file(f)), f)
-    _edit_manifest(path, lambda m: m["files"][name].update(bytes=f.stat().st_size, sha256=ckpt._sha256(f)))
+    _edit_manifest(path, lambda m: m["files"][name].update(bytes=f.stat().st_size, sha256=checkpoint_format.sha256(f)))
 
 
 def _poison(key: str, value: float):
@@ -401,7 +405,7 @@ def test_declared_sizes_are_checked_before_anything_is_allocated(plain, tmp_path
     def no_real_model(*args, **kwargs):
         raise AssertionError("a real model was built before the checkpoint's sizes were checked")
 
-    monkeypatch.setattr(ckpt, "build_model", no_real_model)
+    monkeypatch.setattr(checkpoint_convert, "build_model", no_real_model)
     (path / "manifest.json").write_text(original)
     _edit_manifest(path, _set(lambda m: m["model_config"], embed_dim=65536))  # 51 GB if it were built
     for read in (ckpt.verify_checkpoint, ckpt.load_model, lambda p: ckpt.merge(p, tmp_path / "m2")):
@@ -559,7 +563,7 @@ def _save_and_kill_at(run: Path, model, opt, kill_at: int) -> int:
         for owner, name in [(os, "fsync"), (Path, "rename"), (Path, "replace"), (Path, "write_text"),
                             (Path, "mkdir"), (Path, "unlink"), (shutil, "rmtree")]:
             setattr(owner, name, counted(getattr(owner, name)))
-        ckpt.save_file = counted(ckpt.save_file, half_written=True)
+        checkpoint_format.save_file = counted(checkpoint_format.save_file, half_written=True)
         ckpt.save_checkpoint(run / "checkpoints" / "step_2", model, opt, step=2)
         ckpt.mark_latest(run / "checkpoints", "step_2", keep=1)
     finally:
@@ -592,3 +596,72 @@ def test_a_save_killed_at_any_point_leaves_a_checkpoint_that_loads_exactly(plain
             break
     else:
         pytest.fail("the save never completed")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CheckpointManager: a training run's saves, pruning and resume
+# ---------------------------------------------------------------------------------------------------------
+
+def _metrics(lines: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in lines)
+
+
+def test_manager_saves_when_due_and_keeps_the_newest(tmp_path):
+    """Every 2 steps and after the last (5); keep=2 prunes older saves and an interrupted save's leftover; each
+    manifest records where the data continues and the run's config."""
+    mesh = TPMesh.single()
+    manager = CheckpointManager(tmp_path, mesh, every=2, keep=2, run_config={"note": "run"}, data_seed=7)
+    assert [s for s in range(1, 6) if manager.due(s, 5)] == [2, 4, 5]
+    assert [s for s in range(1, 6) if CheckpointManager(tmp_path / "x", mesh).due(s, 5)] == [5]  # every=0: the end
+    assert manager.latest() is None
+    (tmp_path / "checkpoints" / "step_0000009.tmp").mkdir(parents=True)
+    model = _model()
+    opt = _train(model, 1)
+    for step in (2, 4, 5):
+        assert manager.save(model, opt, step) == tmp_path / "checkpoints" / f"step_{step:07d}"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000004", "step_0000005"]
+    assert manager.latest().name == "step_0000005"
+    manifest = ckpt.read_manifest(manager.latest())
+    assert manifest["step"] == 5 and manifest["data_position"] == {"next_step": 5, "seed": 7}
+    assert manifest["run_config"] == {"note": "run"}
+
+
+def test_manager_resumes_from_the_latest_and_trims_the_log(tmp_path, capsys):
+    """resume="auto" finds the newest checkpoint before any model exists, restores model and optimizer and
+    continues at its step; the log keeps the lines up to that step. Without a checkpoint it starts at 0 with an
+    empty log; without resume it reads nothing and trims nothing; only rank 0 trims."""
+    mesh = TPMesh.single()
+    model = _model()
+    opt = _train(model)
+    CheckpointManager(tmp_path, mesh, every=2).save(model, opt, 2)
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    lines = [{"step": s, "loss": 1.0 / s} for s in (1, 2)] + [{"step": 2, "eval": {}}, {"step": 3, "loss": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text(_metrics(lines))
+
+    not_rank0 = CheckpointManager(tmp_path, mesh, resume="auto", metrics=log, rank0=False)
+    fresh = _model()
+    assert not_rank0.restore(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == _metrics(lines)
+
+    manager = CheckpointManager(tmp_path, mesh, resume="auto", metrics=log)
+    assert manager.resume_from == tmp_path / "checkpoints" / "step_0000002"
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert manager.restore(fresh, fresh_opt) == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    want = _optim_by_name(model, opt)
+    assert all(torch.equal(v, want[k]) for k, v in _optim_by_name(fresh, fresh_opt).items())
+    assert (tmp_path / "metrics.jsonl").read_text() == _metrics(lines[:3])
+
+    folder = CheckpointManager(tmp_path, mesh, resume=str(manager.resume_from))
+    assert folder.resume_from == manager.resume_from
+    untouched = _model()
+    no_resume = CheckpointManager(tmp_path, mesh, metrics=log)
+    assert no_resume.restore(untouched, torch.optim.AdamW(untouched.parameters())) == 0
+    assert torch.equal(untouched.class_head.bias, _model().class_head.bias)
+    assert (tmp_path / "metrics.jsonl").read_text() == _metrics(lines[:3])
+
+    empty = CheckpointManager(tmp_path / "new", mesh, resume="auto", metrics=log)
+    assert "--resume auto: no checkpoint under" in capsys.readouterr().err
+    assert empty.resume_from is None and empty.restore(untouched, torch.optim.AdamW(untouched.parameters())) == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
