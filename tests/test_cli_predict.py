@@ -1,6 +1,7 @@
 """`tabfm predict`: CSV and Parquet in and out, probabilities, task inference, NA tokens, clear errors for bad
-input (one line, nothing written, inputs untouched), and a torchrun run on 2 processes that writes the one-process
-predictions."""
+input (one line, nothing written, inputs untouched), the test table streamed in batches (the same bytes as read
+whole; a bad row half-way leaves no output), and torchrun runs on 2 processes (the model split, or the test rows
+split) that write the one-process predictions."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def test_na_tokens_read_as_missing_give_the_predictions_of_empty_cells(tables, c
     assert main([*common, "--train", str(tables / "empty_cells.csv"), "-o", str(tables / "a.csv")]) == 0
     err = capsys.readouterr().err
     assert "tabfm predict: classification: fitting on 90 rows x 7 features, predicting 30 rows" in err
-    assert "predict: 100%" in err  # the estimator's progress bar over the 2 test batches
+    assert "predict: 100%" in err and "30/30" in err  # the progress bar over the test rows
     assert "wrote 30 probability rows (classification)" in err
     assert main([*common, "--train", str(tables / "tokens.csv"), "-o", str(tables / "b.csv"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
@@ -191,3 +192,75 @@ def test_rows_without_a_target_are_left_out_with_a_warning(tables, capsys):
         "left out"
     assert error == "tabfm predict: error: --proba is for classification; this target is treated as regression " \
         "(use --task)"
+
+
+@pytest.mark.parametrize("target, test, suffix, extra", [
+    ("label", "test.csv", ".csv", ["--proba"]),
+    ("amount", "test.parquet", ".parquet", []),
+])
+def test_the_test_table_read_in_batches_of_7_rows_gives_the_same_bytes(tables, target, test, suffix, extra):
+    # the first 7 test rows have no 'x': read alone, that batch's column would be all missing
+    no_x = pl.when(pl.int_range(pl.len()) < 7).then(None).otherwise(pl.col("x")).alias("x")
+    pl.read_csv(tables / "test.csv").with_columns(no_x).write_csv(tables / "test.csv")
+    pl.read_parquet(tables / "test.parquet").with_columns(no_x).write_parquet(tables / "test.parquet")
+    common = ["predict", "--train", str(tables / "train.csv"), "--target", target, "--test", str(tables / test),
+              "--n-estimators", "1", "--batch-size", "8", "--quiet", *extra]
+    assert main([*common, "-o", str(tables / f"whole{suffix}")]) == 0
+    assert main([*common, "-o", str(tables / f"seven{suffix}"), "--batch-rows", "7"]) == 0
+    whole = (tables / f"whole{suffix}").read_bytes()
+    assert (tables / f"seven{suffix}").read_bytes() == whole
+    pred = pl.read_csv(whole) if suffix == ".csv" else pl.read_parquet(whole)
+    assert pred.height == 30 and pred.columns[0] == target
+    assert not [p.name for p in tables.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_stream_gives_what_the_estimator_gives_on_the_whole_table(tables):
+    from tabfm.estimator import TabFMRegressor
+    from tabfm.table_io import read_table
+
+    out = tables / "amount.csv"
+    assert main(["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
+                 str(tables / "test.parquet"), "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7",
+                 "--quiet", "-o", str(out)]) == 0
+    train, test = read_table(tables / "train.csv"), read_table(tables / "test.parquet")
+    reg = TabFMRegressor(n_estimators=1, batch_size=8).fit(train.drop("amount"), train["amount"].to_numpy())
+    expected = reg.predict(test.select(train.drop("amount").columns))
+    assert out.read_text() == pl.DataFrame({"amount": expected}).write_csv()
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda fields: ["oops", *fields[1:]], "{test}: column 'x' holds 'oops' (row 20) where the train table has numbers"),
+    (lambda fields: [*fields, "1", "2", "3"], "{test}: line 21 has 10 fields but the header has 7"),
+], ids=["bad cell", "ragged line"])  # polars reads text in blocks: this small file's ragged line is met up front
+def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
+    lines = (tables / "test.csv").read_text().splitlines()
+    lines[20] = ",".join(spoil(lines[20].split(",")))  # data row 20, in the third batch of 7 rows
+    (tables / "test.csv").write_text("\n".join(lines) + "\n")
+    out = tables / "pred.csv"
+    out.write_text("an earlier run\n")
+    before = _snapshot(tables)
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7", "-o", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tabfm predict: error: ") and message.format(test=tables / "test.csv") in err, err
+    assert _snapshot(tables) == before  # the earlier output untouched, no temporary file left
+
+
+def test_predict_data_parallel_under_torchrun_equals_one_process(tables):
+    common = ["--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+              "--proba", "--dtype", "float64", "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7"]
+    assert main(["predict", *common, "-o", str(tables / "one.parquet")]) == 0
+    run = subprocess.run([sys.executable, "-m", "tabfm.cli", "predict", *common, "--data-parallel", "2",
+                          "-o", str(tables / "two.parquet")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    one, two = pl.read_parquet(tables / "one.parquet"), pl.read_parquet(tables / "two.parquet")
+    assert one["label"].to_list() == two["label"].to_list()
+    np.testing.assert_allclose(two.drop("label").to_numpy(), one.drop("label").to_numpy(), rtol=0, atol=1e-10)
+
+
+def test_data_parallel_and_model_split_are_alternatives(tables, capsys):
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--nproc", "2", "--data-parallel", "2"]
+    assert main(argv) == 2
+    assert "--nproc 2 splits the model, --data-parallel 2 the test rows; choose one" in capsys.readouterr().err
