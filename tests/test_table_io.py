@@ -1,5 +1,6 @@
-"""tabfm.table_io: NA tokens read as missing, clear one-line errors for files that cannot be read, and output paths
-checked before any work (extension, folder, not an input), written atomically."""
+"""tabfm.table_io: NA tokens read as missing, clear one-line errors for files that cannot be read, tables read in
+batches with another table's column types (every batch alike) and written batch by batch, output paths checked
+before any work (extension, folder, not an input), written atomically."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import polars as pl
 import pytest
 
-from tabfm.table_io import NA_VALUES, TableError, check_output, mostly_numeric_text, na_tokens, read_table, write_table
+from tabfm import table_io
+from tabfm.table_io import (NA_VALUES, TableError, TableScan, TableWriter, check_output, mostly_numeric_text, na_tokens,
+                            read_table, write_table)
 
 
 def _write(path, data: bytes | str):
@@ -61,7 +64,7 @@ def test_parquet_and_tsv_read_the_same_tokens(tmp_path):
 PARQUET = b"PAR1" + bytes(range(40))
 
 
-@pytest.mark.parametrize("name, data, message", [
+UNREADABLE = [
     ("empty.csv", b"", "the file is empty"),
     ("blank.csv", b"\n\n", "the file is empty"),
     ("header.csv", b"a,b\n", "has a header (2 columns) but no rows"),
@@ -73,11 +76,15 @@ PARQUET = b"PAR1" + bytes(range(40))
     ("parquet.csv", PARQUET, "this is a Parquet file, not .csv text; name it .parquet"),
     ("dup.csv", b"a,b,a\n1,2,3\n", "column name 'a' appears more than once"),
     ("book.xlsx", b"PK\x03\x04", "unknown table format '.xlsx'"),
-])
-def test_unreadable_files_give_one_line_naming_the_file(tmp_path, name, data, message):
+]
+
+
+@pytest.mark.parametrize("read", [read_table, TableScan], ids=["whole", "in batches"])
+@pytest.mark.parametrize("name, data, message", UNREADABLE)
+def test_unreadable_files_give_one_line_naming_the_file(tmp_path, read, name, data, message):
     f = _write(tmp_path / name, data)
     with pytest.raises(TableError) as err:
-        read_table(f)
+        read(f)
     text = str(err.value)
     assert text.startswith(f"{f}: ") and message in text and "\n" not in text
 
@@ -136,3 +143,63 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(TableError, match="cannot write it"):
         write_table(pl.DataFrame({"nested": [[1, 2]]}), out)  # CSV cannot hold a list column
     assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["p.csv"]
+
+
+def test_batches_take_the_schema_types_cell_by_cell(tmp_path):
+    # read alone, the first 3 rows' 'n' would be all missing, 'code' all integers and 'flag' all booleans
+    f = _write(tmp_path / "t.csv", "n,code,flag,extra\nNA,01,TRUE,a\n,2,false,b\n?,007,True,c\n"
+                                   " 4 ,x7,maybe,d\n5,NA,,e\n6.5,3,FALSE,f\n7,1, true ,g\n")
+    schema = {"flag": pl.Boolean, "n": pl.Int64, "code": pl.String}
+    scan = TableScan(f)
+    assert scan.columns == ["n", "code", "flag", "extra"] and scan.n_rows == 7
+    batches = list(scan.batches(schema, 3))
+    assert [b.height for b in batches] == [3, 3, 1]
+    for b in batches:
+        assert b.schema == pl.Schema({"flag": pl.String, "n": pl.Float64, "code": pl.String})
+    read = pl.concat(batches)
+    assert read.equals(pl.concat(scan.batches(schema, 100)))
+    assert read["n"].to_list() == [None, None, None, 4.0, 5.0, 6.5, 7.0]
+    assert read["code"].to_list() == ["01", "2", "007", "x7", None, "3", "1"]
+    assert read["flag"].to_list() == ["True", "False", "True", "maybe", None, "False", "True"]
+
+
+def test_a_cell_that_is_not_a_number_in_a_numeric_column_is_named(tmp_path):
+    f = _write(tmp_path / "t.csv", "n,c\n1,a\n2,b\n3,c\n4,d\nn.a.,e\n")
+    batches = TableScan(f).batches({"n": pl.Float64}, 2)
+    assert next(batches)["n"].to_list() == [1.0, 2.0]
+    next(batches)
+    with pytest.raises(TableError, match=r"t.csv: column 'n' holds 'n.a.' \(row 5\) where the train table has numbers"):
+        next(batches)
+    assert TableScan(f, na_tokens("n.a.")).n_rows == 5
+
+
+def test_parquet_bytes_do_not_depend_on_the_batches_written(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(table_io, "PARQUET_ROW_GROUP_ROWS", 5)
+    df = pl.DataFrame({"label": [f"c{i % 3}" for i in range(23)], "p": [i / 7 for i in range(23)]})
+    files = []
+    for k, sizes in enumerate(([23], [7, 7, 7, 2], [1] * 23, [4, 0, 19])):
+        path = tmp_path / f"p{k}.parquet"
+        with TableWriter(path) as out:
+            start = 0
+            for n in sizes:
+                out.write(df.slice(start, n))
+                start += n
+        files.append(path.read_bytes())
+    assert all(f == files[0] for f in files)
+    assert pl.read_parquet(tmp_path / "p0.parquet").equals(df)
+    assert pq.ParquetFile(tmp_path / "p0.parquet").metadata.num_row_groups == 5
+
+
+def test_an_error_while_writing_in_batches_leaves_the_old_file(tmp_path):
+    out = _write(tmp_path / "p.csv", "old\n")
+    with pytest.raises(RuntimeError, match="half-way"):
+        with TableWriter(out) as writer:
+            writer.write(pl.DataFrame({"x": [1, 2]}))
+            raise RuntimeError("half-way")
+    assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["p.csv"]
+    with TableWriter(out) as writer:
+        for x in ([1, 2], [], [3]):
+            writer.write(pl.DataFrame({"x": x}, schema={"x": pl.Int64}))
+    assert out.read_text() == "x\n1\n2\n3\n" and writer.rows == 3
