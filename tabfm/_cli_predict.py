@@ -19,6 +19,8 @@ on rank 0. Either way rank 0 writes the predictions, which equal the one-process
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -167,7 +169,7 @@ def run_prediction(args: argparse.Namespace) -> int:
         return 0
     from tqdm.auto import tqdm
 
-    with table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
+    with _exit_on_sigterm(), table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
             tqdm(total=test.n_rows, desc="predict", unit="row", disable=args.quiet) as bar:
         for chunk in outputs:
             frame = prediction_frame(args, est, chunk)
@@ -176,6 +178,24 @@ def run_prediction(args: argparse.Namespace) -> int:
     if output is not None:
         _say(args, f"wrote {out.rows} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
     return 0
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """SIGTERM (kill, or torchrun stopping its ranks) exits through Python, so the output's temporary file is
+    removed as on any error (the default action would leave it behind)."""
+    def leave(signum, frame):
+        sys.exit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, leave)
+    except ValueError:  # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _predictions(args: argparse.Namespace, est, batches):

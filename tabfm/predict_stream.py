@@ -81,8 +81,8 @@ def _gather(out: np.ndarray | None, error: Exception | None, width: int, group: 
     import torch
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    count = torch.tensor([-1 if error is not None else 0 if out is None else len(out)], dtype=torch.int64)
+    world, rank, device = dist.get_world_size(group), dist.get_rank(group), _device(group)
+    count = torch.tensor([-1 if error is not None else 0 if out is None else len(out)], device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
     n = [int(c) for c in counts]
@@ -92,12 +92,20 @@ def _gather(out: np.ndarray | None, error: Exception | None, width: int, group: 
             _broadcast_text(str(error), failed, group)
             raise error
         raise ValueError(_broadcast_text("", failed, group))
-    padded = torch.zeros(max(n), width, dtype=torch.float64)
+    padded = torch.zeros(max(n), width, dtype=torch.float64, device=device)
     if out is not None:
         padded[:len(out)] = torch.from_numpy(out)
     parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, parts, group=group, group_dst=0)
-    return None if parts is None else [p[:k].numpy() for p, k in zip(parts, n, strict=True)]
+    return None if parts is None else [p[:k].cpu().numpy() for p, k in zip(parts, n, strict=True)]
+
+
+def _device(group: Any):
+    """Where the group's collectives take their tensors: this rank's GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def _broadcast_text(text: str, src: int, group: Any) -> str:
@@ -105,11 +113,12 @@ def _broadcast_text(text: str, src: int, group: Any) -> str:
     import torch
     import torch.distributed as dist
 
-    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    device = _device(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([len(data)], device=device)
     dist.broadcast(size, group=group, group_src=src)
     if dist.get_rank(group) != src:
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
     if len(data):
         dist.broadcast(data, group=group, group_src=src)
     return bytes(data.tolist()).decode()

@@ -264,3 +264,20 @@ def test_data_parallel_and_model_split_are_alternatives(tables, capsys):
             "--nproc", "2", "--data-parallel", "2"]
     assert main(argv) == 2
     assert "--nproc 2 splits the model, --data-parallel 2 the test rows; choose one" in capsys.readouterr().err
+
+
+def test_sigterm_while_writing_removes_the_temporary_file(tmp_path):
+    import os
+    import signal
+
+    from tabfm._cli_predict import _exit_on_sigterm
+    from tabfm.table_io import TableWriter
+
+    out = tmp_path / "pred.csv"
+    with pytest.raises(SystemExit) as stop:
+        with _exit_on_sigterm(), TableWriter(out) as writer:
+            writer.write(pl.DataFrame({"y": [1, 2]}))
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
