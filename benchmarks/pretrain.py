@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, args: dict, d0: int, d1: int, sp: 
                                            f"parallel.sequence_parallel={sp}"])
         mesh = ParallelDims(d0, d1, 1).build("cpu")
         model = build_model(cfg.model, seed=cfg.train.seed).to(dtype=DTYPES[cfg.train.dtype])
-        model = parallelize_model(model, mesh, sp)
+        model = parallelize_model(model, mesh, sequence_parallel=sp)
         o = cfg.optim
         optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                       weight_decay=o.weight_decay)

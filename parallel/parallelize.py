@@ -14,9 +14,8 @@ whose second norm became a ParallelLayerNorm becomes a ParallelBlock (same modul
 into the norm. Parameter names stay those of the plain model, so a gathered state dict is the plain model's state
 dict. Layout problems are found for the whole plan before anything is swapped.
 
-Run options (the config's `parallel.overlap_chunks` and `parallel.kernels`) reach the layers that use them:
-    overlap_chunks  k chunks of overlapped communication (overlap.py): mlp, attention, colwise, rowwise
-    kernels         "auto" | "triton" | "torch" fused epilogues (kernels/ops.py): mlp, norm
+Run options come as one ParallelOptions (options.py: sequence parallelism, overlap chunks, kernels), checked when
+it is made; each layer gets the fields it takes (_OPTIONS).
 """
 
 from __future__ import annotations
@@ -30,12 +29,11 @@ import torch
 from torch import nn
 
 from tabfm.parallel import dense
-from tabfm.parallel.kernels.ops import check_kernels
 from tabfm.parallel.layers import (ColumnFirstLinear, ParallelAttention, ParallelBlock, ParallelLayerNorm,
                                    ParallelMlp, RowFirstLinear, VocabEmbedding, _divisibility, gather_activation,
                                    shard_activation)
 from tabfm.parallel.mesh import LayoutError, TPMesh, factorizations
-from tabfm.parallel.overlap import check_chunks
+from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel.sharding import ShardSpec
 
 Plan = dict[str, str]
@@ -57,14 +55,14 @@ _STYLES: dict[str, tuple[type, Callable[..., nn.Module], Callable[[nn.Module, in
 
 REGION = "region"  # the boundary style: nothing is swapped (RegionBoundary)
 
-# Which run options each style's layer takes.
+# Which ParallelOptions fields each style's layer takes.
 _OPTIONS: dict[str, tuple[str, ...]] = {
-    "mlp": ("overlap_chunks", "kernels"),
-    "attention": ("overlap_chunks",),
-    "norm": ("kernels",),
-    "embedding": (),
-    "colwise": ("overlap_chunks",),
-    "rowwise": ("overlap_chunks",),
+    "mlp": ("sequence_parallel", "overlap_chunks", "kernels"),
+    "attention": ("sequence_parallel", "overlap_chunks"),
+    "norm": ("sequence_parallel", "kernels"),
+    "embedding": ("sequence_parallel",),
+    "colwise": ("sequence_parallel", "overlap_chunks"),
+    "rowwise": ("sequence_parallel", "overlap_chunks"),
 }
 
 
@@ -129,14 +127,14 @@ def check_layout(model: nn.Module, plan: Plan, d0: int, d1: int) -> None:
                           f"Layouts with {d0 * d1} tensor-parallel ranks that fit: {options}")
 
 
-def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: bool = False,
-                overlap_chunks: int = 1, kernels: str = "auto") -> nn.Module:
+def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, options: ParallelOptions | None = None,
+                **fields: Any) -> nn.Module:
     """Swap the modules the plan names for ATP layers on `mesh` (in place) and return the model.
 
-    overlap_chunks: split each linear's tokens into this many chunks whose collectives overlap compute (1 = off).
-    kernels: "auto" (Triton on large CUDA tensors, else torch), "triton" or "torch" for the fused epilogues.
+    options: how the layers run (ParallelOptions; default: no sequence parallelism, no overlap, kernels auto), or
+    its fields as keywords (`sequence_parallel=True, overlap_chunks=2`).
     """
-    options = {"overlap_chunks": check_chunks(overlap_chunks), "kernels": check_kernels(kernels)}
+    options = ParallelOptions.of(options, **fields)
     check_layout(model, plan, mesh.d0, mesh.d1)
     matches = _matches(model, plan)
     for name, module, style in matches:
@@ -144,12 +142,11 @@ def parallelize(model: nn.Module, mesh: TPMesh, plan: Plan, sequence_parallel: b
             continue
         if not name:
             raise ValueError("the plan cannot swap the root module itself; wrap it in a parent module")
-        extra = {name: options[name] for name in _OPTIONS[style]}
-        _replace(model, name, _STYLES[style][1](module, mesh, sequence_parallel=sequence_parallel, **extra))
+        _replace(model, name, _STYLES[style][1](module, mesh, **options.pick(_OPTIONS[style])))
     _fuse_residual_norms(model)
     for name, _, style in matches:  # after the swaps, so the hooks sit on the modules that stay
         if style == REGION:
-            RegionBoundary(mesh, sequence_parallel).attach(model.get_submodule(name))
+            RegionBoundary(mesh, options.sequence_parallel).attach(model.get_submodule(name))
     return model
 
 

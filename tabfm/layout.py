@@ -27,6 +27,7 @@ from tabfm.data.encode import Batch
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel import parallelize
 from tabfm.parallel.mesh import ParallelDims, TPMesh
+from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel_model import parallelize_model, tp_plan
 
 
@@ -89,7 +90,9 @@ class TabFMSource:
 
     @staticmethod
     def _parallelize(model: TabFM, mesh: TPMesh, sequence_parallel: bool, overlap_chunks: int) -> TabFM:
-        return parallelize_model(model, mesh, sequence_parallel, overlap_chunks=overlap_chunks)
+        """The planner's parallelizer. It traces the torch reference epilogues whatever the run's kernels: the
+        trace runs on the meta device, where Triton cannot, and the kernels change no collective."""
+        return parallelize_model(model, mesh, ParallelOptions(sequence_parallel, overlap_chunks, kernels="torch"))
 
     def _inputs(self, mesh: TPMesh, sequence_parallel: bool, device: torch.device, dtype: torch.dtype) -> tuple:
         shape, n_train = (self.batch, self.rows, self.features), self.n_train or self.rows // 2

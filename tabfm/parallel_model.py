@@ -13,11 +13,14 @@ for the in-context blocks; S(/d0) only under sequence parallelism.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tabfm.model import TabFM
 from tabfm.parallel.mesh import TPMesh
+from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel.parallelize import REGION, Plan, block_plan, model_mesh, parallelize
 
-__all__ = ["STAGE_BLOCKS", "model_mesh", "parallelize_model", "tp_plan"]
+__all__ = ["STAGE_BLOCKS", "ParallelOptions", "model_mesh", "parallelize_model", "tp_plan"]
 
 STAGE_BLOCKS = ("axial.*.column.block", "axial.*.row.block", "compress.block", "icl.blocks")
 """The blocks of each stage (dense.Block, or the in-context BlockStack): the tensor-parallel regions."""
@@ -33,14 +36,14 @@ def tp_plan(model: TabFM) -> Plan:
     return plan
 
 
-def parallelize_model(model: TabFM, mesh: TPMesh | None, sequence_parallel: bool = False, overlap_chunks: int = 1,
-                      kernels: str = "auto") -> TabFM:
+def parallelize_model(model: TabFM, mesh: TPMesh | None, options: ParallelOptions | None = None,
+                      **fields: Any) -> TabFM:
     """Swap the blocks of every stage for ATP layers on `mesh` (in place) and run them there; parameter names
-    stay the plain model's. A mesh of None or 1x1 leaves the model plain. overlap_chunks and kernels are the
-    config's parallel.overlap_chunks and parallel.kernels (see tabfm.parallel.parallelize)."""
+    stay the plain model's. A mesh of None or 1x1 leaves the model plain. options: a ParallelOptions (a run
+    config's is ParallelOptions.from_config(cfg.parallel)), or its fields as keywords."""
+    options = ParallelOptions.of(options, **fields)  # checked even where the model stays plain
     if mesh is None or mesh.tp == 1:
         return model
     if model_mesh(model) is not None:
         raise ValueError("the model is already parallelized; build a fresh one (or load it) for another mesh")
-    return parallelize(model, mesh, tp_plan(model), sequence_parallel=sequence_parallel,
-                       overlap_chunks=overlap_chunks, kernels=kernels)
+    return parallelize(model, mesh, tp_plan(model), options)
