@@ -57,11 +57,14 @@ at fit. One member's context is always encoded in one forward (its memory grows 
 CALIBRATION_ROWS = 1000
 """Most held-out train rows the classifier's temperature is fitted on."""
 
-_MODELS: dict[tuple, TabFM] = {}  # loaded plain models, shared by estimators (weights are read-only here)
-_MESHES: dict[tuple, Any] = {}
+CALIBRATION_CONTEXT_ROWS = 2000
+"""The calibration probe's context holds at most half the train rows, but never fewer than this many (where
+there are): it is a second encoding, and its cost (quadratic in its rows) is what halving saves on long tables.
+Tables of up to 2,500 train rows keep every non-held row, as before."""
 
 
 def _mesh(d0: int, d1: int, device: torch.device):
+    """A new d0 x d1 mesh over this run's processes (every rank builds it at the same point of fit)."""
     import torch.distributed as dist
 
     from tabfm.parallel.mesh import LayoutError, ParallelDims
@@ -70,15 +73,26 @@ def _mesh(d0: int, d1: int, device: torch.device):
     if d0 * d1 != world:
         raise LayoutError(f"tensor_parallel=({d0}, {d1}) needs {d0 * d1} processes, this run has {world}: launch "
                           f"with `torchrun --nproc-per-node {d0 * d1}` (or `tabfm predict --nproc {d0 * d1}`)")
-    key = (d0, d1, device.type, world)
-    if key not in _MESHES:
-        _MESHES[key] = ParallelDims(d0=d0, d1=d1).build(device.type)
-    return _MESHES[key]
+    return ParallelDims(d0=d0, d1=d1).build(device.type)
+
+
+@functools.lru_cache(maxsize=4)
+def shared_plain_model(path: str, mtime_ns: int, device: str, dtype: torch.dtype) -> TabFM:
+    """The plain (one-device) model of a checkpoint, in eval mode, shared read-only by every estimator that fits
+    with the same weights, device and dtype: cross-validation and grid search fit many clones, which then hold
+    one copy of the weights instead of one each and skip re-reading the file. Estimators never write to the
+    weights (inference runs under no_grad). Bounded: the 4 most recently used (path, file time, device, dtype);
+    mtime_ns makes a rewritten file a new entry. `shared_plain_model.cache_clear()` frees them."""
+    from tabfm.checkpoint import load_model
+
+    return load_model(path, dtype=dtype).to(device).eval()
 
 
 def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dtype: torch.dtype,
                          tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True) -> TabFM:
-    """The model of a merged file or checkpoint folder (default: the shipped weights), in eval mode."""
+    """The model of a merged file or checkpoint folder (default: the shipped weights), in eval mode: the shared
+    plain model (shared_plain_model), or with tensor_parallel a model parallelized on a new mesh, which it holds
+    (tabfm.parallel_model.model_mesh reads it back). Estimators call it once per fit and keep it as `model_`."""
     from tabfm.checkpoint import load_model
 
     path = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
@@ -87,10 +101,7 @@ def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dt
                          "folder (`tabfm ckpt merge RUN_DIR -o model.safetensors`), or checkpoint=None for the "
                          "shipped model")
     if tensor_parallel is None or tuple(tensor_parallel) == (1, 1):
-        key = (str(path.resolve()), path.stat().st_mtime_ns, str(device), dtype)
-        if key not in _MODELS:
-            _MODELS[key] = load_model(path, dtype=dtype).to(device).eval()
-        return _MODELS[key]
+        return shared_plain_model(str(path.resolve()), path.stat().st_mtime_ns, str(device), dtype)
     d0, d1 = (int(d) for d in tensor_parallel)
     return load_model(path, _mesh(d0, d1, device), sequence_parallel, dtype=dtype).to(device).eval()
 
@@ -165,13 +176,16 @@ class _TabFMBase(BaseEstimator):
     # -- fit ---------------------------------------------------------------------------------------------
 
     def _prepare(self) -> TabFM:
-        """Check the parameters and load the model (before anything is learnt from the data)."""
+        """Check the parameters and load the model, once per fit, as `model_` (before anything is learnt from the
+        data); every later step of fit and predict uses it."""
         self.device_ = resolve_device(self.device)
         self.dtype_ = resolve_dtype(self.dtype)
+        self.__dict__.pop("model_", None)  # a refit loads afresh: the checkpoint, device or layout may have changed
         return self._model()
 
-    def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM) -> None:
-        """Preprocess, draw the ensemble and encode the contexts; y is [n] class ids or float targets."""
+    def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM, encode: bool = True) -> None:
+        """Preprocess, draw the ensemble and (unless encode is False) encode the contexts; y is [n] class ids or
+        float targets."""
         validate_data(self, X, reset=True, skip_check_array=True)
         kinds = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else tuple(self.numeric_transforms)
         used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # fit only what is used
@@ -188,18 +202,26 @@ class _TabFMBase(BaseEstimator):
         self.context_rows_ = self._draw_context_rows(n, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
-        self._encode_contexts()
+        if encode:
+            self._encode_contexts()
 
-    def _draw_context_rows(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """[M, T] the train rows each member's context holds: all of them, or max_context_rows drawn per member."""
-        rows = self.max_context_rows
+    def _draw_context_rows(self, n: int, rng: np.random.Generator, limit: int | None = None) -> np.ndarray:
+        """[M, T] the train rows each member's context holds: all of them, or max_context_rows (or `limit`, the
+        smaller) drawn per member."""
+        rows = min((r for r in (self.max_context_rows, limit) if r is not None), default=None)
         if rows is not None and n > rows:
             return np.stack([np.sort(rng.choice(n, rows, replace=False)) for _ in range(self.n_members_)])
         return np.tile(np.arange(n), (self.n_members_, 1))
 
     def _model(self) -> TabFM:
-        tp = None if self.tensor_parallel is None else tuple(self.tensor_parallel)
-        return load_estimator_model(self.checkpoint, self.device_, self.dtype_, tp, self.sequence_parallel)
+        """The fitted `model_`; loaded here (with its mesh under tensor_parallel) when absent: at fit, and once
+        after unpickling or `load`, which do not store it."""
+        model = self.__dict__.get("model_")
+        if model is None:
+            tp = None if self.tensor_parallel is None else tuple(self.tensor_parallel)
+            model = self.model_ = load_estimator_model(self.checkpoint, self.device_, self.dtype_, tp,
+                                                       self.sequence_parallel)
+        return model
 
     def _member_values(self, cells: Cells, members: np.ndarray, rows: np.ndarray | None = None) -> dict[str, Any]:
         """Per-member tensors [g, r, C'] of the given rows (rows[m] per member, or all rows of `cells`); the
@@ -297,9 +319,14 @@ class _TabFMBase(BaseEstimator):
             results.append(out if finalize is None else finalize(out))
         return np.concatenate(results, axis=0 if finalize is not None else 1)
 
+    _UNSTORED = ("model_",)
+    """Fitted attributes that pickling and `save` leave out: the model (and its mesh) is rebuilt from the
+    checkpoint on first use, as scikit-learn and TabICL do."""
+
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["contexts_"] = None  # large and device-bound: re-encoded from the stored train rows on first use
+        state = {k: v for k, v in self.__dict__.items() if k not in self._UNSTORED}
+        if "contexts_" in state:
+            state["contexts_"] = None  # large and device-bound: re-encoded from the stored train rows on first use
         return state
 
     def save(self, path: str | Path) -> None:
@@ -405,14 +432,23 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.random_state))
         self.n_groups_ = min(K, max_classes)
-        self._fit_common(X, y_ids.astype(np.int64), n_members, model)
+        self._fit_common(X, y_ids.astype(np.int64), n_members, model, encode=False)
         self.temperature_ = self._fit_temperature() if self.calibrate else float(self.softmax_temperature)
+        self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
         return self
 
     def _fit_temperature(self) -> float:
         """The softmax temperature that minimises the log-loss of held-out train rows (a stratified 20%, at most
-        1,000 rows) predicted from the other train rows by the same ensemble; the fixed softmax_temperature when
-        too few rows."""
+        CALIBRATION_ROWS) predicted from the other train rows by the same ensemble; the fixed softmax_temperature
+        when too few rows.
+
+        This probe is a second encoding, and it has to be: an honest held-out prediction needs a context without
+        the held rows, and nothing of the full contexts carries over to one, since every stage that reads train
+        rows mixes all of them (the cell statistics, the attention down each column, the in-context transformer),
+        so dropping rows changes every cached key and value. It is kept cheap instead: its context holds at most
+        half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before
+        the full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both.
+        """
         y, n = self.y_train_, len(self.y_train_)
         rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
         held = []
@@ -425,9 +461,10 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         if len(held) < 10:
             return float(self.softmax_temperature)
         keep = np.setdiff1d(np.arange(n), held)
-        probe = copy.copy(self)
+        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
+        probe.model_ = self._model()
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe.context_rows_ = probe._draw_context_rows(len(keep), rng)
+        probe.context_rows_ = probe._draw_context_rows(len(keep), rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
         logp = probe._cell_outputs(self.train_cells_.take(held))
         temps = np.exp(np.linspace(np.log(0.2), np.log(3.0), 41))

@@ -237,7 +237,7 @@ def save_estimator(est: Any, path: str | Path) -> None:
         est._encode_contexts()
     params = _plain_params(est)
     encoder = _Encoder()
-    attributes = {k: v for k, v in vars(est).items() if k not in params}
+    attributes = {k: v for k, v in vars(est).items() if k not in params and k not in est._UNSTORED}  # no model
     meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
             "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
             "attributes": encoder.encode(attributes, "")}
@@ -380,5 +380,5 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
     est.device_ = target
-    est._model()  # load the weights now, so the first predict is as fast as the rest
+    est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     return est

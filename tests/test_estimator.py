@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import polars as pl
 import pytest
+import torch
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from tabfm import inference
+from tabfm import estimator, inference
 from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
@@ -157,7 +158,22 @@ def test_pickled_estimator_predicts_the_same(monkeypatch):
     blob = pickle.dumps(clf)
     assert len(blob) < 1_000_000  # the caches are not stored; the model is the shipped file, not its weights
     restored = pickle.loads(blob)
+    assert "model_" not in vars(restored)  # the model is rebuilt from the checkpoint on first use
     np.testing.assert_array_equal(restored.predict_proba(df[90:]), proba)
+    assert restored.model_ is clf.model_  # the same shipped weights: the one shared plain model
+
+
+def test_fit_loads_the_model_once_and_refits_reload(monkeypatch):
+    df, y = mixed_frame(120)
+    calls = []
+    real = estimator.load_estimator_model
+    monkeypatch.setattr(estimator, "load_estimator_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    clf = TabFMClassifier(n_estimators=2).fit(df[:90], y[:90])  # calibrated: probe and contexts share model_
+    assert len(calls) == 1 and clf.temperature_ != 1.0
+    clf.predict_proba(df[90:])
+    assert len(calls) == 1
+    clf.set_params(dtype="float64").fit(df[:90], y[:90])
+    assert len(calls) == 2 and next(clf.model_.parameters()).dtype == torch.float64
 
 
 def test_train_rows_are_encoded_once(monkeypatch):
@@ -170,6 +186,20 @@ def test_train_rows_are_encoded_once(monkeypatch):
     first = clf.predict_proba(df[90:])
     np.testing.assert_array_equal(clf.predict_proba(df[90:]), first)
     assert n_fit >= 1 and len(calls) == n_fit  # predicts reuse the contexts encoded at fit
+
+
+def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
+    df, y = mixed_frame(120)
+    rows = []
+    real = inference.encode_context
+    monkeypatch.setattr("tabfm.estimator.encode_context", lambda m, b: rows.append(b.values.shape[1]) or real(m, b))
+    TabFMClassifier(n_estimators=2).fit(df[:100], y[:100])
+    held = 100 - rows[0]
+    assert rows == [100 - held, 100] and 15 <= held <= 25  # the probe (every row not held out), then the contexts
+    rows.clear()
+    monkeypatch.setattr(estimator, "CALIBRATION_CONTEXT_ROWS", 10)
+    TabFMClassifier(n_estimators=2).fit(df[:100], y[:100])
+    assert rows == [50, 100]  # the probe's context: half the train rows, as the floor is lower
 
 
 def test_more_classes_than_the_head():
@@ -218,6 +248,45 @@ def test_sharded_inference_equals_one_process(ranks, world, d0, d1, sp):
     for clf, tp_clf, reg, tp_reg in ranks(world).run(_sharded_predictions, d0, d1, sp):
         np.testing.assert_allclose(tp_clf, clf, rtol=0, atol=1e-10)
         np.testing.assert_allclose(tp_reg, reg, rtol=1e-10, atol=1e-10)
+
+
+def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.ndarray, np.ndarray, bool]:
+    """On each rank: a calibrated tensor-parallel fit, then a pickling round trip; how often the checkpoint was
+    loaded (and parallelized) and a mesh built, the predictions before and after, and whether pickling kept the
+    model."""
+    import tabfm.checkpoint
+
+    calls = {"load": 0, "mesh": 0}
+    real_load, real_mesh = tabfm.checkpoint.load_model, estimator._mesh
+
+    def load(*a, **k):
+        calls["load"] += 1
+        return real_load(*a, **k)
+
+    def mesh(*a, **k):
+        calls["mesh"] += 1
+        return real_mesh(*a, **k)
+
+    tabfm.checkpoint.load_model, estimator._mesh = load, mesh
+    try:
+        df, y = mixed_frame(90, seed=2)
+        clf = TabFMClassifier(n_estimators=2, dtype="float64", tensor_parallel=(d0, d1)).fit(df[:60], y[:60])
+        assert clf.temperature_ != 1.0  # calibrated: the probe ran on the same model_
+        before = clf.predict_proba(df[60:])
+        fitted = dict(calls)
+        restored = pickle.loads(pickle.dumps(clf))
+        kept = "model_" in vars(restored)
+        after = restored.predict_proba(df[60:])  # rebuilds model_ (and its mesh) once
+        return {"fit_load": fitted["load"], "fit_mesh": fitted["mesh"], **calls}, before, after, kept
+    finally:
+        tabfm.checkpoint.load_model, estimator._mesh = real_load, real_mesh
+
+
+def test_tensor_parallel_fit_loads_the_checkpoint_once(ranks):
+    for calls, before, after, kept in ranks(2).run(_tensor_parallel_fit_calls, 2, 1):
+        assert calls == {"fit_load": 1, "fit_mesh": 1, "load": 2, "mesh": 2}
+        assert not kept
+        np.testing.assert_array_equal(after, before)
 
 
 def test_tensor_parallel_needs_the_processes():

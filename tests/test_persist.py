@@ -74,6 +74,8 @@ def test_classifier_round_trip_predicts_the_same_without_encoding(dtype, fitted_
     clf.save(tmp_path / "clf")
     no_encoding(monkeypatch)
     loaded = TabFMClassifier.load(tmp_path / "clf")
+    assert "model_" not in json.loads((tmp_path / "clf" / META_FILE).read_text())["attributes"]["fields"]
+    assert next(loaded.model_.parameters()).dtype == getattr(torch, dtype)  # rebuilt from the checkpoint at load
     assert_same(loaded.predict_proba(X_test), clf.predict_proba(X_test), dtype)
     assert (loaded.predict(X_test) == clf.predict(X_test)).all()
     assert loaded.classes_.dtype == clf.classes_.dtype and loaded.get_params() == clf.get_params()
