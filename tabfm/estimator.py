@@ -42,6 +42,7 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_dat
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import Member, draw_members, member_cells, member_width
 from tabfm.inference import Context, encode_context, predict_logits
+from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
@@ -61,7 +62,6 @@ CALIBRATION_CONTEXT_ROWS = 2000
 """The calibration probe's context holds at most half the train rows, but never fewer than this many (where
 there are): it is a second encoding, and its cost (quadratic in its rows) is what halving saves on long tables.
 Tables of up to 2,500 train rows keep every non-held row, as before."""
-
 
 def _mesh(d0: int, d1: int, device: torch.device):
     """A new d0 x d1 mesh over this run's processes (every rank builds it at the same point of fit)."""
@@ -194,6 +194,7 @@ class _TabFMBase(BaseEstimator):
         cells = self.preprocessor_.transform(X)
         if len(y) != len(cells.values):
             raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
+        y = self._context_targets(cells, y)
         rng = np.random.default_rng(self.random_state)
         n, C = cells.values.shape
         self.n_members_ = n_members
@@ -204,6 +205,11 @@ class _TabFMBase(BaseEstimator):
         self.contexts_ = None
         if encode:
             self._encode_contexts()
+
+    def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
+        """Hook: the train targets the members' contexts are built from, kept as `y_train_` (the classifier's
+        class ids; the regressor's normalised residuals of its linear base)."""
+        return y
 
     def _draw_context_rows(self, n: int, rng: np.random.Generator, limit: int | None = None) -> np.ndarray:
         """[M, T] the train rows each member's context holds: all of them, or max_context_rows (or `limit`, the
@@ -284,12 +290,16 @@ class _TabFMBase(BaseEstimator):
 
     # -- predict -----------------------------------------------------------------------------------------
 
-    def _predict_cells_of(self, X: Any, finalize) -> np.ndarray:
-        """finalize(member outputs [M, b, Y]) of the rows of X, batch by batch (memory bounded by the batch)."""
+    def _cells_of(self, X: Any) -> Cells:
+        """The preprocessed cells of the rows of X, checked against what fit saw."""
         check_is_fitted(self, "preprocessor_")
         check_table_shape(X)
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
-        return self._cell_outputs(self.preprocessor_.transform(X), finalize)
+        return self.preprocessor_.transform(X)
+
+    def _predict_cells_of(self, X: Any, finalize) -> np.ndarray:
+        """finalize(member outputs [M, b, Y]) of the rows of X, batch by batch (memory bounded by the batch)."""
+        return self._cell_outputs(self._cells_of(X), finalize)
 
     def _cell_outputs(self, cells: Cells, finalize=None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
@@ -521,10 +531,13 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
 
     target_transforms : tuple of {"none", "power", "quantile"}, default=("none", "power")
         Transforms of the (normalised) target, cycled over the members.
+    linear_base : bool, default=True
+        Fit a ridge regression first and show the model its out-of-fold residuals; predictions add the ridge
+        back (tabfm.linear_base). The model alone fits linear trends over many columns poorly.
     """
 
     _task = "regression"
-    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST}
+    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"]}
 
     def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
@@ -532,7 +545,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
-                 n_jobs: int | None = None, target_transforms: tuple[str, ...] = ("none", "power")):
+                 n_jobs: int | None = None, target_transforms: tuple[str, ...] = ("none", "power"),
+                 linear_base: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
@@ -540,12 +554,11 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                          sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
                          n_jobs=n_jobs)
         self.target_transforms = target_transforms
+        self.linear_base = linear_base
 
     @_threaded
     def fit(self, X: Any, y: Any) -> TabFMRegressor:
         """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
-        from tabfm.target_transform import TARGET_TRANSFORMS
-
         self._validate_params()
         check_table_shape(X)
         y = column_or_1d(y, warn=True)
@@ -555,22 +568,45 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             raise ValueError("y must hold numbers for a regressor (use TabFMClassifier for labels)") from None
         if not np.isfinite(y).all():
             raise ValueError("y holds NaN or inf: drop those rows or fill in their targets")
+        self._target_kinds()
+        model = self._prepare()
+        self._fit_common(X, y, self.n_estimators, model)
+        return self
+
+    def _target_kinds(self) -> tuple[str, ...]:
+        from tabfm.target_transform import TARGET_TRANSFORMS
+
         kinds = (self.target_transforms,) if isinstance(self.target_transforms, str) else tuple(self.target_transforms)
         if not kinds or any(k not in TARGET_TRANSFORMS for k in kinds):
             raise ValueError(f"target_transforms must be a non-empty list of {list(TARGET_TRANSFORMS)}, "
                              f"got {self.target_transforms!r}")
-        model = self._prepare()
+        return kinds
+
+    def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
+        """The members' train targets: y normalised (float64), less the linear base's out-of-fold prediction;
+        each member's target map is fitted on these residuals."""
         self.target_scale_ = TargetScale.fit(y)
         u = self.target_scale_.forward(y)
+        if self.linear_base:
+            self.linear_base_, fitted = LinearBase.fit(cells, u, self.random_state)
+            u = u - fitted
+        else:
+            self.linear_base_ = None
+        kinds = self._target_kinds()
         self.target_maps_ = [TargetTransform(kinds[m % len(kinds)]).fit(u) for m in range(self.n_estimators)]
-        self._fit_common(X, y, self.n_estimators, model)
-        return self
+        return u
+
+    def _offset(self, cells: Cells) -> np.ndarray:
+        """[n] what the linear base adds to the model's prediction of each row, in target units."""
+        if self.linear_base_ is None:
+            return np.zeros(len(cells.values))
+        return self.target_scale_.scale * self.linear_base_.predict(cells)
 
     def _n_outputs(self) -> int:
         return 0
 
     def _member_labels(self, m: int, y: np.ndarray) -> np.ndarray:
-        return self.target_maps_[m].transform(self.target_scale_.forward(y)).astype(np.float64)
+        return self.target_maps_[m].transform(y).astype(np.float64)
 
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
         return logits.softmax(-1)  # bin probabilities [g, n, num_bins]
@@ -598,7 +634,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     @_threaded
     def predict(self, X: Any) -> np.ndarray:
         """[n] predicted targets: the mean of the ensemble's predictive distribution."""
-        return self._predict_cells_of(X, self._mean_of)
+        cells = self._cells_of(X)
+        return self._cell_outputs(cells, self._mean_of) + self._offset(cells)
 
     @_threaded
     def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
@@ -608,5 +645,6 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
             raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
-        return self._predict_cells_of(
-            X, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))
+        cells = self._cells_of(X)
+        out = self._cell_outputs(cells, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))
+        return out + self._offset(cells)[:, None]

@@ -1,0 +1,119 @@
+"""The regressor's linear base (tabfm.linear_base): the ridge under the model, its residuals, and what it adds back."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.metrics import r2_score
+
+from tabfm import TabFMRegressor
+from tabfm.linear_base import MIN_ROWS, LinearBase
+from tabfm.preprocess import TablePreprocessor
+
+
+def _linear_table(n: int, seed: int = 0, noise: float = 0.0, missing: float = 0.1):
+    """Four numeric columns (one with missing values) and a three-level category, y linear in all of them."""
+    rng = np.random.default_rng(seed)
+    X = pd.DataFrame(rng.normal(size=(n, 4)), columns=list("abcd"))
+    X["shelf"] = rng.choice(["bad", "good", "medium"], n)
+    y = X[list("abcd")].to_numpy() @ np.array([1.5, -2.0, 0.5, 1.0]) + X["shelf"].map(
+        {"bad": -3.0, "good": 2.0, "medium": 0.0}).to_numpy()
+    y = y + noise * rng.normal(size=n)
+    X.loc[rng.random(n) < missing, "a"] = np.nan
+    return X, y
+
+
+def _cells(X_fit, X=None):
+    pre = TablePreprocessor().fit(X_fit)
+    return pre.transform(X_fit if X is None else X)
+
+
+def test_base_recovers_a_linear_target_with_categories_and_missing_values():
+    X, y = _linear_table(400, missing=0.0)
+    cells = _cells(X)
+    base, oof = LinearBase.fit(cells, y)
+    assert base.coef.any()
+    assert r2_score(y, base.predict(cells)) > 0.999
+    assert r2_score(y, oof) > 0.99  # out of fold, still close: the target is exactly linear
+    assert len(base.indicators) == 0  # no missing value left in the train rows
+    assert base.design(cells).shape[1] == 4 + 3  # four standardised columns and three one-hot levels
+
+
+def test_missing_values_get_an_indicator_and_unseen_categories_no_weight():
+    X, y = _linear_table(300)
+    cells = _cells(X)
+    base, _ = LinearBase.fit(cells, y)
+    assert list(base.indicators) == [0]  # column "a" had missing values at fit
+    test = X.iloc[:5].copy()
+    test["shelf"] = "unheard-of"
+    test["a"] = np.nan
+    pred = base.predict(_cells(X, test))
+    assert np.isfinite(pred).all()
+    design = base.design(_cells(X, test))
+    assert (design[:, -3:] == 0).all()  # an unseen category switches no one-hot column on
+
+
+def test_base_falls_back_to_the_mean_when_the_ridge_does_not_predict_new_rows():
+    rng = np.random.default_rng(1)
+    X = pd.DataFrame(rng.normal(size=(200, 6)))
+    y = rng.normal(size=200)  # unrelated to X
+    cells = _cells(X)
+    base, oof = LinearBase.fit(cells, y)
+    assert not base.coef.any()
+    np.testing.assert_array_equal(oof, np.full(200, y.mean()))
+    np.testing.assert_array_equal(base.predict(cells), np.full(200, y.mean()))
+
+
+@pytest.mark.parametrize("n", [1, 2, MIN_ROWS - 1])
+def test_too_few_rows_give_the_constant_base(n):
+    X, y = _linear_table(n)
+    base, oof = LinearBase.fit(_cells(X), y)
+    assert not base.coef.any()
+    np.testing.assert_allclose(oof, y.mean())
+
+
+def test_predictions_are_held_near_the_train_targets():
+    X, y = _linear_table(200)
+    cells = _cells(X)
+    base, _ = LinearBase.fit(cells, y)
+    far = X.iloc[:3].copy()
+    far[list("bcd")] = 1e6  # far outside the train rows: the plane would predict ~1e6
+    pred = base.predict(_cells(X, far))
+    span = y.max() - y.min()
+    assert (pred >= y.min() - span - 1e-9).all() and (pred <= y.max() + span + 1e-9).all()
+
+
+def test_regressor_fits_a_linear_target_as_well_as_ridge():
+    X, y = _linear_table(500, noise=0.0)
+    est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X.iloc[:400], y[:400])
+    assert est.linear_base_ is not None and est.linear_base_.coef.any()
+    assert r2_score(y[400:], est.predict(X.iloc[400:])) > 0.97
+
+
+def test_without_the_base_the_members_see_the_normalised_targets():
+    X, y = _linear_table(100, noise=0.5)
+    est = TabFMRegressor(n_estimators=2, n_jobs=1, linear_base=False).fit(X, y)
+    assert est.linear_base_ is None
+    np.testing.assert_allclose(est.y_train_, est.target_scale_.forward(y))
+    with_base = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X, y)
+    residual = with_base.target_scale_.forward(y) - with_base.y_train_
+    assert np.std(with_base.y_train_) < 0.5 * np.std(residual + with_base.y_train_)  # the ridge took most of y
+
+
+def test_quantiles_move_with_the_base_and_cover_the_noise():
+    X, y = _linear_table(700, seed=3, noise=1.0)
+    est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X.iloc[:500], y[:500])
+    q = est.predict_quantiles(X.iloc[500:], [0.1, 0.5, 0.9])
+    assert (np.diff(q, axis=1) >= 0).all()
+    cover = np.mean((y[500:] >= q[:, 0]) & (y[500:] <= q[:, 2]))
+    assert 0.65 < cover < 0.95, cover  # nominal 80%
+    # the interval follows each row's linear prediction: its centre tracks the targets
+    assert np.corrcoef(q[:, 1], y[500:])[0, 1] > 0.9
+
+
+def test_save_and_load_keep_the_base(tmp_path):
+    X, y = _linear_table(120, noise=0.3)
+    est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X, y)
+    est.save(tmp_path / "est")
+    back = TabFMRegressor.load(tmp_path / "est")
+    np.testing.assert_array_equal(back.linear_base_.coef, est.linear_base_.coef)
+    np.testing.assert_allclose(back.predict(X.iloc[:20]), est.predict(X.iloc[:20]), rtol=1e-6, atol=1e-6)
