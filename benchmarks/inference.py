@@ -114,7 +114,7 @@ def full_forward_proba(est: TabFMClassifier, X_test: np.ndarray) -> np.ndarray:
         labels = torch.cat([torch.from_numpy(labels), torch.full((len(members), n_test), IGNORE_LABEL)], 1)
         logits = model(est._batch(parts, labels, n_train, est.n_groups_))[:, n_train:].double()
         logp[members] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
-    return est._combine(logp, est.temperature_)  # the same ensemble decoding and temperature as predict_proba
+    return est._blend(est._combine(logp, est.temperature_), test)  # the same decoding, temperature and blend
 
 
 def time_full_forward(est: TabFMClassifier, X_test: np.ndarray, repeats: int) -> tuple[float, float]:

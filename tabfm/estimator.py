@@ -42,7 +42,7 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_dat
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import Member, draw_members, member_cells, member_width
 from tabfm.inference import Context, encode_context, predict_logits
-from tabfm.linear_base import LinearBase
+from tabfm.linear_base import LinearBase, LogisticModel
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
@@ -62,6 +62,11 @@ CALIBRATION_CONTEXT_ROWS = 2000
 """The calibration probe's context holds at most half the train rows, but never fewer than this many (where
 there are): it is a second encoding, and its cost (quadratic in its rows) is what halving saves on long tables.
 Tables of up to 2,500 train rows keep every non-held row, as before."""
+
+BLEND_WEIGHTS = np.linspace(0.0, 0.9, 10)
+"""The classifier's logistic-regression weights tried at calibration; below 1, so the ensemble always counts
+and a class the logistic regression never saw keeps some probability."""
+
 
 def _mesh(d0: int, d1: int, device: torch.device):
     """A new d0 x d1 mesh over this run's processes (every rank builds it at the same point of fit)."""
@@ -400,12 +405,17 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     calibrate : bool, default=True
         Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
         other train rows; costs about one more encoding of the train rows.
+    linear_blend : bool, default=True
+        With calibrate, also weigh in a logistic regression: the predicted probabilities are
+        (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
+        same held-out rows (w = 0 where it does not help them). The model alone draws linear boundaries over
+        many columns poorly (tabfm.linear_base).
     """
 
     _task = "classification"
     _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "average": [StrOptions({"probability", "logit"})],
                                     "softmax_temperature": [Interval(numbers.Real, 0, None, closed="neither")],
-                                    "calibrate": ["boolean"]}
+                                    "calibrate": ["boolean"], "linear_blend": ["boolean"]}
 
     def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
@@ -414,7 +424,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                  dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, average: str = "probability", softmax_temperature: float = 1.0,
-                 calibrate: bool = True):
+                 calibrate: bool = True, linear_blend: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
@@ -424,6 +434,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.average = average
         self.softmax_temperature = softmax_temperature
         self.calibrate = calibrate
+        self.linear_blend = linear_blend
 
     @_threaded
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
@@ -443,14 +454,18 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.random_state))
         self.n_groups_ = min(K, max_classes)
         self._fit_common(X, y_ids.astype(np.int64), n_members, model, encode=False)
-        self.temperature_ = self._fit_temperature() if self.calibrate else float(self.softmax_temperature)
+        self.temperature_, self.blend_weight_ = self._calibrate() if self.calibrate else (
+            float(self.softmax_temperature), 0.0)
+        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K)
+                              if self.blend_weight_ > 0 else None)
         self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
         return self
 
-    def _fit_temperature(self) -> float:
-        """The softmax temperature that minimises the log-loss of held-out train rows (a stratified 20%, at most
-        CALIBRATION_ROWS) predicted from the other train rows by the same ensemble; the fixed softmax_temperature
-        when too few rows.
+    def _calibrate(self) -> tuple[float, float]:
+        """(softmax temperature, blend weight) that minimise the log-loss of held-out train rows (a stratified
+        20%, at most CALIBRATION_ROWS) predicted from the other train rows by the same ensemble, and with
+        linear_blend by a logistic regression fitted on those rows too; (softmax_temperature, 0) when too few
+        rows.
 
         This probe is a second encoding, and it has to be: an honest held-out prediction needs a context without
         the held rows, and nothing of the full contexts carries over to one, since every stage that reads train
@@ -469,18 +484,31 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         if len(held) > CALIBRATION_ROWS:
             held = np.sort(rng.choice(held, CALIBRATION_ROWS, replace=False))
         if len(held) < 10:
-            return float(self.softmax_temperature)
+            return float(self.softmax_temperature), 0.0
         keep = np.setdiff1d(np.arange(n), held)
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
         probe.context_rows_ = probe._draw_context_rows(len(keep), rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
-        logp = probe._cell_outputs(self.train_cells_.take(held))
+        held_cells = self.train_cells_.take(held)
+        logp = probe._cell_outputs(held_cells)
+        weights, linear = np.zeros(1), np.zeros((len(held), len(self.classes_)))
+        if self.linear_blend and len(np.unique(y[keep])) > 1:
+            weights = BLEND_WEIGHTS
+            linear = LogisticModel.fit(probe.train_cells_, y[keep], len(self.classes_)).predict_proba(held_cells)
         temps = np.exp(np.linspace(np.log(0.2), np.log(3.0), 41))
-        losses = [-np.log(np.clip(self._combine(logp, t)[np.arange(len(held)), y[held]], 1e-15, None)).mean()
-                  for t in temps]
-        return float(temps[int(np.argmin(losses))])
+        truth = np.arange(len(held)), y[held]
+        losses = np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
+                            for w in weights] for proba in (self._combine(logp, t) for t in temps)])
+        t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)  # ties: the lowest temperature, weight
+        return float(temps[t]), float(weights[w])
+
+    def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
+        """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
+        if self.__dict__.get("linear_model_") is None:
+            return proba
+        return (1 - self.blend_weight_) * proba + self.blend_weight_ * self.linear_model_.predict_proba(cells)
 
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
         """Members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax temperature."""
@@ -510,7 +538,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     @_threaded
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
-        return self._predict_cells_of(X, lambda logp: self._combine(logp, self.temperature_))
+        cells = self._cells_of(X)
+        return self._blend(self._cell_outputs(cells, lambda logp: self._combine(logp, self.temperature_)), cells)
 
     def predict_log_proba(self, X: Any) -> np.ndarray:
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))

@@ -1,4 +1,5 @@
-"""A ridge regression under the regressor: the pretrained model learns what a linear fit of the table leaves.
+"""Linear models beside the pretrained one: a ridge regression under the regressor (the model learns what it
+leaves) and a logistic regression weighed into the classifier's probabilities.
 
 Why: the pretrained model fits smooth, local structure well but linear trends over many columns poorly (a
 noise-free linear target of 10 normal columns, 320 train rows: R^2 0.66, where ridge gets 1.0); the rows it has
@@ -10,6 +11,10 @@ plane and the local corrections (fold 0 of the 14 regression tables in benchmark
 Out-of-fold residuals, not in-sample ones: in-sample residuals are smaller than the errors the ridge makes on
 new rows, so the model would learn too narrow a distribution. The ridge is kept only where it predicts better
 than the mean out of fold; otherwise the base is the constant mean and the model sees the targets as before.
+
+The classifier cannot hand the model residuals of class labels, so it blends instead: (1 - w) * the ensemble's
+probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
+rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend.
 
 Everything here is float64 numpy over the preprocessed cells (tabfm.preprocess.Cells), in the normalised target
 units of tabfm.target_transform.TargetScale, and the fitted base is a handful of arrays (saved as such).
@@ -31,9 +36,9 @@ ALPHAS = np.logspace(-3, 3, 13)
 
 
 @dataclass
-class LinearBase:
-    """A fitted affine map of the cells: standardised numeric columns (median-imputed, with a missing
-    indicator where the train rows had missing values) and one-hot categorical columns, weighted by `coef`."""
+class LinearDesign:
+    """The columns a linear model sees, fitted on the train cells: standardised numeric columns (median-imputed,
+    with a missing indicator where the train rows had missing values) and one-hot categorical columns."""
 
     numeric: np.ndarray
     """[Cn] positions of the numeric columns used."""
@@ -49,30 +54,9 @@ class LinearBase:
     """[Cc] positions of the one-hot categorical columns."""
     n_cats: np.ndarray
     """[Cc] their category counts (missing / unseen: no category)."""
-    coef: np.ndarray
-    """[P] weights of the design columns (zeros: the constant base)."""
-    intercept: float
-    bounds: np.ndarray
-    """[2] predictions are held inside the train targets' range widened by its own width on each side."""
 
     @classmethod
-    def fit(cls, cells, u: np.ndarray, random_state: int | None = 0) -> tuple[LinearBase, np.ndarray]:
-        """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64)."""
-        u = np.asarray(u, np.float64)
-        base = cls._layout(cells, u)
-        design = base.design(cells)
-        if len(u) < MIN_ROWS or design.shape[1] == 0 or np.ptp(u) == 0:
-            return base, np.full(len(u), base.intercept)
-        oof = _out_of_fold(design, u, random_state)
-        if np.mean((u - oof) ** 2) >= np.var(u):  # the ridge predicts new rows no better than the mean
-            return base, np.full(len(u), base.intercept)
-        ridge = _ridge().fit(design, u)
-        base.coef, base.intercept = np.asarray(ridge.coef_, np.float64), float(ridge.intercept_)
-        return base, np.clip(oof, *base.bounds)
-
-    @classmethod
-    def _layout(cls, cells, u: np.ndarray) -> LinearBase:
-        """The design's column statistics from the train cells; the constant base (zero weights)."""
+    def fit(cls, cells) -> LinearDesign:
         numeric = np.flatnonzero(~cells.is_cat)
         values = cells.values[:, numeric]
         observed = ~np.isnan(values)
@@ -81,20 +65,16 @@ class LinearBase:
         filled = np.where(observed, values, medians)
         scales = filled.std(0) if len(filled) else np.ones(len(numeric))
         categorical = np.flatnonzero(cells.is_cat & (cells.n_cats <= MAX_ONEHOT))
-        span = float(np.ptp(u)) if len(u) else 0.0
-        base = cls(numeric=numeric, medians=medians, means=filled.mean(0) if len(filled) else medians,
+        return cls(numeric=numeric, medians=medians, means=filled.mean(0) if len(filled) else medians,
                    scales=np.where(scales > 0, scales, 1.0), indicators=np.flatnonzero((~observed).any(0)),
-                   categorical=categorical, n_cats=cells.n_cats[categorical].astype(np.int64),
-                   coef=np.zeros(0), intercept=float(u.mean()) if len(u) else 0.0,
-                   bounds=np.array([u.min() - span, u.max() + span]) if len(u) else np.zeros(2))
-        base.coef = np.zeros(base.design_width())
-        return base
+                   categorical=categorical, n_cats=cells.n_cats[categorical].astype(np.int64))
 
-    def design_width(self) -> int:
+    @property
+    def width(self) -> int:
         return len(self.numeric) + len(self.indicators) + int(self.n_cats.sum())
 
-    def design(self, cells) -> np.ndarray:
-        """[n, P] float64 design matrix of the rows of `cells`."""
+    def __call__(self, cells) -> np.ndarray:
+        """[n, width] float64 design matrix of the rows of `cells`."""
         values = cells.values[:, self.numeric]
         missing = np.isnan(values)
         standard = (np.where(missing, self.medians, values) - self.means) / self.scales
@@ -102,13 +82,80 @@ class LinearBase:
         for c, k in zip(self.categorical, self.n_cats, strict=True):
             code = cells.codes[:, c]
             parts.append((code[:, None] == np.arange(k)).astype(np.float64))  # missing / unseen (-1): all zero
-        return np.concatenate(parts, 1) if parts else np.zeros((len(values), 0))
+        return np.concatenate(parts, 1)
+
+
+@dataclass
+class LinearBase:
+    """A fitted ridge regression of the normalised target on the LinearDesign of the cells."""
+
+    design: LinearDesign
+    coef: np.ndarray
+    """[width] weights of the design columns (zeros: the constant base)."""
+    intercept: float
+    bounds: np.ndarray
+    """[2] predictions are held inside the train targets' range widened by its own width on each side."""
+
+    @classmethod
+    def fit(cls, cells, u: np.ndarray, random_state: int | None = 0) -> tuple[LinearBase, np.ndarray]:
+        """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64)."""
+        u = np.asarray(u, np.float64)
+        design = LinearDesign.fit(cells)
+        span = float(np.ptp(u)) if len(u) else 0.0
+        base = cls(design, np.zeros(design.width), float(u.mean()) if len(u) else 0.0,
+                   np.array([u.min() - span, u.max() + span]) if len(u) else np.zeros(2))
+        if len(u) < MIN_ROWS or design.width == 0 or span == 0:
+            return base, np.full(len(u), base.intercept)
+        D = design(cells)
+        oof = _out_of_fold(D, u, random_state)
+        if np.mean((u - oof) ** 2) >= np.var(u):  # the ridge predicts new rows no better than the mean
+            return base, np.full(len(u), base.intercept)
+        ridge = _ridge().fit(D, u)
+        base.coef, base.intercept = np.asarray(ridge.coef_, np.float64), float(ridge.intercept_)
+        return base, np.clip(oof, *base.bounds)
 
     def predict(self, cells) -> np.ndarray:
         """[n] the base's prediction of the normalised target, inside `bounds`."""
         if not self.coef.any():
             return np.full(len(cells.values), self.intercept)
         return np.clip(self.design(cells) @ self.coef + self.intercept, *self.bounds)
+
+
+@dataclass
+class LogisticModel:
+    """A fitted logistic regression on the LinearDesign of the cells, for the classifier's blend: the class
+    probabilities of a model that does what the pretrained model does worst (a linear boundary over many
+    columns), weighted against it on held-out rows (TabFMClassifier, linear_blend)."""
+
+    design: LinearDesign
+    coef: np.ndarray
+    """[K', width] (K' = 1 for two classes seen, else the classes seen)."""
+    intercept: np.ndarray
+    """[K']"""
+    classes: np.ndarray
+    """[k] the class ids (0..K-1) the train rows held, in the columns' order."""
+    n_classes: int
+
+    @classmethod
+    def fit(cls, cells, y: np.ndarray, n_classes: int) -> LogisticModel:
+        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design."""
+        from sklearn.linear_model import LogisticRegression
+
+        design = LinearDesign.fit(cells)
+        lr = LogisticRegression(max_iter=1000).fit(design(cells), y)
+        return cls(design, np.asarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
+                   np.asarray(lr.classes_, np.int64), n_classes)
+
+    def predict_proba(self, cells) -> np.ndarray:
+        """[n, n_classes] probabilities (0 for a class the train rows did not hold)."""
+        z = self.design(cells) @ self.coef.T + self.intercept
+        if len(self.classes) == 2:
+            z = np.concatenate([np.zeros_like(z), z], 1)
+        z = z - z.max(1, keepdims=True)
+        p = np.exp(z)
+        out = np.zeros((len(z), self.n_classes))
+        out[:, self.classes] = p / p.sum(1, keepdims=True)
+        return out
 
 
 def _ridge():

@@ -44,7 +44,7 @@ def _whitelist() -> dict[str, type]:
 
     from tabfm.blocks import KVCache
     from tabfm.ensemble import Member
-    from tabfm.linear_base import LinearBase
+    from tabfm.linear_base import LinearBase, LinearDesign, LogisticModel
     from tabfm.model import Context
     from tabfm.preprocess import Cells, Column, TablePreprocessor
     from tabfm.target_transform import TargetScale, TargetTransform
@@ -55,7 +55,7 @@ def _whitelist() -> dict[str, type]:
                "sklearn.preprocessing.PowerTransformer": PowerTransformer,
                "sklearn.pipeline.Pipeline": Pipeline}
     for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform,
-                LinearBase):
+                LinearBase, LinearDesign, LogisticModel):
         classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return classes
 

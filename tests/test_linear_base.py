@@ -1,12 +1,13 @@
-"""The regressor's linear base (tabfm.linear_base): the ridge under the model, its residuals, and what it adds back."""
+"""tabfm.linear_base: the regressor's ridge under the model (its residuals, what it adds back) and the
+classifier's logistic regression weighed in at calibration."""
 
 import numpy as np
 import pandas as pd
 import pytest
 from sklearn.metrics import r2_score
 
-from tabfm import TabFMRegressor
-from tabfm.linear_base import MIN_ROWS, LinearBase
+from tabfm import TabFMClassifier, TabFMRegressor
+from tabfm.linear_base import MIN_ROWS, LinearBase, LogisticModel
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -34,7 +35,7 @@ def test_base_recovers_a_linear_target_with_categories_and_missing_values():
     assert base.coef.any()
     assert r2_score(y, base.predict(cells)) > 0.999
     assert r2_score(y, oof) > 0.99  # out of fold, still close: the target is exactly linear
-    assert len(base.indicators) == 0  # no missing value left in the train rows
+    assert len(base.design.indicators) == 0  # no missing value left in the train rows
     assert base.design(cells).shape[1] == 4 + 3  # four standardised columns and three one-hot levels
 
 
@@ -42,7 +43,7 @@ def test_missing_values_get_an_indicator_and_unseen_categories_no_weight():
     X, y = _linear_table(300)
     cells = _cells(X)
     base, _ = LinearBase.fit(cells, y)
-    assert list(base.indicators) == [0]  # column "a" had missing values at fit
+    assert list(base.design.indicators) == [0]  # column "a" had missing values at fit
     test = X.iloc[:5].copy()
     test["shelf"] = "unheard-of"
     test["a"] = np.nan
@@ -117,3 +118,51 @@ def test_save_and_load_keep_the_base(tmp_path):
     back = TabFMRegressor.load(tmp_path / "est")
     np.testing.assert_array_equal(back.linear_base_.coef, est.linear_base_.coef)
     np.testing.assert_allclose(back.predict(X.iloc[:20]), est.predict(X.iloc[:20]), rtol=1e-6, atol=1e-6)
+
+
+def _wide_linear_classes(n: int, k: int = 2, seed: int = 0):
+    """30 numeric columns and a class given by a linear score: what a logistic regression gets and the model
+    alone does not."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 30))
+    score = X @ rng.normal(size=(30, k))
+    return X, score.argmax(1)
+
+
+def test_logistic_model_reads_a_linear_boundary_and_gives_unseen_classes_nothing():
+    X, y = _wide_linear_classes(400, k=3)
+    cells = _cells(X[:300])
+    lr = LogisticModel.fit(cells, y[:300], n_classes=4)  # class 3 never seen
+    proba = lr.predict_proba(_cells(X[:300], X[300:]))
+    assert proba.shape == (100, 4) and np.allclose(proba.sum(1), 1) and (proba[:, 3] == 0).all()
+    assert np.mean(proba.argmax(1) == y[300:]) > 0.85
+    binary = LogisticModel.fit(cells, (y[:300] == 0).astype(int), n_classes=2)
+    assert binary.coef.shape == (1, 30)
+    p = binary.predict_proba(_cells(X[:300], X[300:]))
+    assert np.mean(p.argmax(1) == (y[300:] == 0)) > 0.85
+
+
+def test_classifier_weighs_in_the_logistic_regression_where_held_out_rows_prefer_it():
+    from sklearn.metrics import log_loss
+
+    X, y = _wide_linear_classes(500, seed=2)
+    blended = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:400], y[:400])
+    alone = TabFMClassifier(n_estimators=2, n_jobs=1, linear_blend=False).fit(X[:400], y[:400])
+    assert blended.blend_weight_ > 0 and blended.linear_model_ is not None
+    assert alone.blend_weight_ == 0 and alone.linear_model_ is None
+    assert alone.temperature_ == pytest.approx(TabFMClassifier(n_estimators=2, n_jobs=1, linear_blend=False)
+                                               .fit(X[:400], y[:400]).temperature_)
+    p_blend, p_alone = blended.predict_proba(X[400:]), alone.predict_proba(X[400:])
+    assert np.allclose(p_blend.sum(1), 1)
+    assert log_loss(y[400:], p_blend) < log_loss(y[400:], p_alone)
+    raw = TabFMClassifier(n_estimators=2, n_jobs=1, calibrate=False).fit(X[:400], y[:400])
+    assert raw.blend_weight_ == 0 and raw.linear_model_ is None  # the weight is fitted with the temperature
+
+
+def test_save_and_load_keep_the_blend(tmp_path):
+    X, y = _wide_linear_classes(300, seed=5)
+    clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:250], y[:250])
+    assert clf.blend_weight_ > 0
+    clf.save(tmp_path / "clf")
+    back = TabFMClassifier.load(tmp_path / "clf")
+    np.testing.assert_allclose(back.predict_proba(X[250:]), clf.predict_proba(X[250:]), rtol=1e-6, atol=1e-7)
