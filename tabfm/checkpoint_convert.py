@@ -26,7 +26,7 @@ from tabfm.checkpoint_io import load_checkpoint
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import shard_tensor
-from tabfm.parallel_model import parallelize_model
+from tabfm.parallel_model import ParallelOptions, parallelize_model
 
 def _check_output(out: Path, source: Path, overwrite: bool, folder: bool) -> None:
     """Refuse to write over anything unless asked to, and never over the source, or (even when asked) over a
@@ -128,16 +128,17 @@ def load_merged(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, state
 
 
-def load_model(path: str | Path, mesh: TPMesh | None = None, sequence_parallel: bool = False,
+def load_model(path: str | Path, mesh: TPMesh | None = None, options: ParallelOptions | None = None,
                dtype: torch.dtype | None = None) -> TabFM:
-    """A model rebuilt from a merged file or a checkpoint folder, parallelized on `mesh` (plain when None), in
-    `dtype` (default: the dtype the weights were saved in). Everything is checked before the model is built."""
+    """A model rebuilt from a merged file or a checkpoint folder, parallelized on `mesh` (plain when None) with
+    `options` (default ParallelOptions()), in `dtype` (default: the dtype the weights were saved in). Everything is
+    checked before the model is built."""
     path = Path(path)
     if path.is_dir():
         manifest = inspect_checkpoint(path)
         cfg = ModelConfig.from_dict(manifest["model_config"])
         saved = DTYPES[manifest["tensors"][MODEL + "cells.value_proj.weight"]["dtype"]]
-        model = parallelize_model(build_model(cfg).to(dtype or saved), mesh, sequence_parallel=sequence_parallel)
+        model = parallelize_model(build_model(cfg).to(dtype or saved), mesh, options)
         load_checkpoint(path, model, restore_rng=False)
     else:
         cfg, state = load_merged(path)
@@ -145,7 +146,7 @@ def load_model(path: str | Path, mesh: TPMesh | None = None, sequence_parallel: 
         model = build_model(cfg).to(dtype or saved)
         model.load_state_dict(state)
         # parallelize slices every sharded parameter from the full one: any layout.
-        model = parallelize_model(model, mesh, sequence_parallel=sequence_parallel)
+        model = parallelize_model(model, mesh, options)
     if dtype is not None and dtype != saved:
         check_finite(model.state_dict(), str(path), f"the {saved} weights overflow {dtype}: load them in {saved}")
     return model

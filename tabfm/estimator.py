@@ -94,6 +94,7 @@ def shared_plain_model(path: str, mtime_ns: int, device: str, dtype: torch.dtype
 
 
 def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dtype: torch.dtype,
+    from tabfm.parallel_model import ParallelOptions
                          tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True) -> TabFM:
     """The model of a merged file or checkpoint folder (default: the shipped weights), in eval mode: the shared
     plain model (shared_plain_model), or with tensor_parallel a model parallelized on a new mesh, which it holds
@@ -108,7 +109,8 @@ def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dt
     if tensor_parallel is None or tuple(tensor_parallel) == (1, 1):
         return shared_plain_model(str(path.resolve()), path.stat().st_mtime_ns, str(device), dtype)
     d0, d1 = (int(d) for d in tensor_parallel)
-    return load_model(path, _mesh(d0, d1, device), sequence_parallel, dtype=dtype).to(device).eval()
+    options = ParallelOptions(sequence_parallel=sequence_parallel)
+    return load_model(path, _mesh(d0, d1, device), options, dtype=dtype).to(device).eval()
 
 
 def _threaded(method):
