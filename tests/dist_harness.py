@@ -1,8 +1,10 @@
 """Run a function on N gloo ranks and get every rank's result, or every rank's failure, back.
 
-A `RankPool` keeps N spawned processes alive for the whole test session (spawning and importing torch costs
-seconds per process on this machine), each with its gloo process group initialised once. `pool.run(fn, ...)`
-sends `fn` (a module-level, picklable function) to every rank and returns the list of results in rank order.
+A `RankPool` keeps N processes alive for the whole test session, each with its gloo process group initialised
+once. They are forked from one fork server that imported torch and the parallel layers already (PRELOAD): a
+fresh interpreter per rank, as `spawn` starts, costs seconds of CPU per process for the imports alone.
+`pool.run(fn, ...)` sends `fn` (a module-level, picklable function) to every rank and returns the list of results
+in rank order.
 If any rank raises, the error names the ranks and shows each traceback; a rank that hangs (a collective that
 the others never join) is reported after `timeout` seconds and the pool is rebuilt for the next test.
 """
@@ -63,10 +65,22 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "tabfm.parallel.layers", "tabfm.parallel.parallelize", "tabfm.model"]
+"""Imported once by the fork server the ranks are forked from, instead of by every rank (torch's import costs
+seconds of CPU per process on this machine; a 2- and a 4-rank pool start 6)."""
+
+
+def _context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class RankPool:
-    def __init__(self, world_size: int, timeout: float = 120.0):
+    def __init__(self, world_size: int, timeout: float = 300.0, method: str = "forkserver"):
         self.world_size, self.timeout = world_size, timeout
-        ctx = mp.get_context("spawn")
+        ctx = _context(method)
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()

@@ -16,7 +16,7 @@ import torch
 from dist_harness import get_mesh
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_model import make_batch
+from builders import make_batch
 
 from tabfm import checkpoint as ckpt
 from tabfm import checkpoint_convert, checkpoint_format, checkpoint_io

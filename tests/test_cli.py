@@ -4,6 +4,7 @@ any process starts, and `gen` does not mix two runs' tables in one folder."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import version
@@ -14,11 +15,19 @@ from tabfm import _cli_demo, cli
 from tabfm.parallel.mesh import LayoutError
 
 
-def test_help_lists_subcommands(capsys):
+SUBCOMMANDS = ["pretrain", "ckpt", "plot-run", "predict", "plan", "demo", "gen"]
+
+
+def test_help_lists_every_subcommand_with_its_summary(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert "demo" in out and "gen" in out
+    listed = re.findall(r"^    (\S+)  +\S", out, re.M)  # "    name   summary" lines under COMMAND
+    assert listed == SUBCOMMANDS
+    for name in SUBCOMMANDS:  # and each one answers its own --help
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([name, "--help"])
+        assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: tabfm {name} ")
 
 
 def test_demo_refuses_a_layout_that_does_not_divide_the_heads():
@@ -40,7 +49,10 @@ def test_demo_refuses_a_process_count_that_does_not_match(capsys):
 
 def test_demo_runs_on_one_process(capsys):
     assert _cli_demo.main(["--layout", "1x1", "--steps", "3", "--hidden", "16", "--heads", "2"]) == 0
-    assert "largest relative difference: 0.00e+00" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "largest relative difference: 0.00e+00" in out and "3 AdamW steps" in out
+    steps = [int(line.split()[0]) for line in out.splitlines() if re.match(r"\s+\d+ ", line)]
+    assert steps == [0, 1, 2]  # --steps 3: the first, middle and last step of both curves
 
 
 def test_help_and_the_parser_import_no_torch():
@@ -66,13 +78,12 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"tabfm {version('tabfm')}"
 
 
-def test_every_demo_option_has_help(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["demo", "--help"])
-    out = capsys.readouterr().out
-    for flag, words in (("--steps", "AdamW steps"), ("--depth", "blocks"), ("--hidden", "hidden width"),
-                        ("--heads", "attention heads"), ("--tokens", "tokens per sequence")):
-        assert flag in out and words in out, flag
+def test_demo_options_reach_the_model_and_all_have_help():
+    # --depth 3 and --hidden 40 on a 1x3 layout: three blocks' attentions and six norms of width 40 are refused.
+    with pytest.raises(LayoutError) as err:
+        _cli_demo.main(["--layout", "1x3", "--heads", "8", "--depth", "3", "--hidden", "40"])
+    assert "8 attention heads are not divisible by d0*d1=3 (0.blocks.0.attn and 2 more)" in str(err.value)
+    assert "norm width 40 is not divisible by d1=3 (0.blocks.0.norm1 and 5 more)" in str(err.value)
     parser = cli.build_parser()
     demo = parser._subparsers._group_actions[0].choices["demo"]
     assert all(a.help for a in demo._actions), [a.dest for a in demo._actions if not a.help]

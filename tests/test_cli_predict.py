@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import polars as pl
 import pytest
-from test_estimator import mixed_frame
+from builders import mixed_frame
 
 from tabfm.cli import main
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -144,20 +143,17 @@ def test_config_errors_under_nproc_stop_before_torchrun(case, tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
-def test_a_config_error_under_nproc_is_one_line_in_seconds(tmp_path):
-    """The real command, in a subprocess: no torchrun, no traceback per rank. (It took 18-38 s and ~55 lines.)"""
+def test_a_config_error_under_nproc_is_one_line(tmp_path):
+    """The real command, in a subprocess: no torchrun, no traceback per rank (it was ~55 lines after 18-38 s).
+    That no worker starts is checked in-process above (test_config_errors_under_nproc_stop_before_torchrun)."""
     argv = _pretrain_argv(BAD_CONFIGS["a word for a number"][0], tmp_path / "run")
-    tic = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "tabfm.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    seconds = time.perf_counter() - tic
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["config error: train.steps must be an integer, got 'ten' "
                                                "(from --set train.steps=ten)"]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
-    # ~4 s on the idle 2-core machine (torch's import); 15 s at load 17. The lines above are what tells the old
-    # failure from the new one; this bound only catches a launcher that waits for workers again.
-    assert seconds < 60, f"{seconds:.1f} s: the error should come before any worker starts"
+    assert not (tmp_path / "run").exists()
 
 
 def test_plot_run_drops_a_torn_last_line_and_names_a_corrupt_one(tmp_path, capsys):

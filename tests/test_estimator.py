@@ -6,10 +6,10 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
-import pandas as pd
 import polars as pl
 import pytest
 import torch
+from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabfm import estimator, inference
@@ -35,23 +35,6 @@ def _expected_failures(est) -> dict[str, str]:
                          expected_failed_checks=_expected_failures)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
-
-
-def mixed_frame(n: int, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
-    """Numeric, string-categorical, boolean, constant and partly missing columns; the class depends on x and colour."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=n)
-    colour = rng.choice(["red", "green", "blue"], size=n)
-    df = pd.DataFrame({
-        "x": x,
-        "noise": rng.normal(size=n) * 100 + 5,
-        "colour": colour,
-        "flag": rng.random(n) < 0.5,
-        "const": np.full(n, 3.0),
-        "gappy": np.where(rng.random(n) < 0.3, np.nan, rng.normal(size=n)),
-    })
-    y = np.where(x + (colour == "red") * 1.5 > 0.5, "yes", "no")
-    return df, y
 
 
 def test_mixed_pandas_and_polars_inputs_agree():

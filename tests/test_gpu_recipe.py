@@ -62,7 +62,10 @@ def test_stage_configs_differ_only_in_rows_and_share_one_schedule():
     assert (t.max_features, 0 < t.regression_prob < 1, one.data.batch_size, one.train.precision) == (100, True, 16,
                                                                                                       "bf16")
     stages = gpu_state.parse_stages(["configs/pretrain/gpu.yaml:0", "configs/pretrain/gpu_stage2.yaml:1500"])
-    assert len(gpu_state.stage_configs(stages, [], ROOT)) == 2  # one schedule; a checkpoint lands on 1500
+    cfgs = gpu_state.stage_configs(stages, [], ROOT)  # each stage's own config, in order
+    assert [c.data.table.max_rows for c in cfgs] == [1024, 2048]
+    # one schedule, and a checkpoint lands on the stage boundary
+    assert cfgs[0].train.steps == cfgs[1].train.steps and 1500 % cfgs[1].train.checkpoint_every == 0
     assert gpu_state.stage_at(stages, 1499) == (stages[0], 1500) and gpu_state.stage_at(stages, 1500) == (stages[1],
                                                                                                            None)
     with pytest.raises(ValueError, match="multiple of train.checkpoint_every"):

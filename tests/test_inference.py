@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
+from builders import tiny_model
 from dist_harness import get_mesh
-from test_model import tiny_model
 
 from tabfm.data.encode import Batch
 from tabfm.inference import encode_context, predict_logits

@@ -33,14 +33,29 @@ def _auto_cfg(tmp_path: Path, *extra: str):
                               "parallel.layout=auto", f"parallel.topology={preset}", *extra])
 
 
-def test_tabfm_source_counts_the_real_model(tmp_path):
+@pytest.fixture(scope="module")
+def pairs_plan(tmp_path_factory) -> tuple:
+    """The planner's ranking of the tiny run's layouts on 4 ranks of the pairs preset, and that topology (traced
+    once for the module: the ranking does not depend on the run folder)."""
+    tmp = tmp_path_factory.mktemp("pairs")
+    cfg = _auto_cfg(tmp)
+    topology = load_topology(str(tmp / "pairs.yaml"))
+    return planner.plan(source_for(cfg), topology, 4, dtype=cfg.train.dtype), topology
+
+
+def test_tabfm_source_counts_the_real_model(tmp_path, pairs_plan):
     cfg = _auto_cfg(tmp_path)
     source = source_for(cfg)
-    assert isinstance(source, TabFMSource) and "TabFM" in source.describe()
-    ranked = planner.plan(source, load_topology(str(tmp_path / "pairs.yaml")), 4, chunks=(1,))
-    valid = [c for c in ranked if c.valid]
+    assert isinstance(source, TabFMSource) and source.model == cfg.model
+    assert (source.batch, source.rows, source.features) == (cfg.data.batch_size, cfg.data.table.max_rows,
+                                                            cfg.data.table.max_features)
+    valid = [c for c in pairs_plan[0] if c.valid and c.chunks == 1]
     assert {(c.d0, c.d1) for c in valid} == {(4, 1), (2, 2), (1, 4)}
-    assert all(c.volume["tp0"] > 0 for c in valid if c.d0 > 1)
+    volume = {(c.d0, c.d1, c.sequence_parallel): c.volume for c in valid}
+    # DESIGN 3.3: axis 0 carries (d0-1)/d0 * 4/d1 of each block's tokens, so 4x1 moves 3x what 2x2 does; an axis of
+    # size 1 moves nothing.
+    assert volume[(4, 1, False)]["tp0"] == 3 * volume[(2, 2, False)]["tp0"] > 0
+    assert volume[(4, 1, False)]["tp1"] == volume[(1, 4, False)]["tp0"] == 0
 
 
 def test_auto_on_one_process_is_the_single_device_layout(tmp_path):
@@ -57,15 +72,14 @@ def _train_auto(tmp: str) -> tuple:
     return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
 
 
-def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path):
-    cfg = _auto_cfg(tmp_path)
-    best, _ = planner.choose_layout(source_for(cfg), load_topology(str(tmp_path / "pairs.yaml")), 4,
-                                    dtype=cfg.train.dtype)
+def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, pairs_plan):
+    best, _ = planner.choose_layout_from(*pairs_plan)
     results = ranks(4).run(_train_auto, str(tmp_path))
     chosen = results[0]
     assert (chosen["d0"], chosen["d1"], chosen["sequence_parallel"], chosen["overlap_chunks"]) == \
         (best.d0, best.d1, best.sequence_parallel, best.chunks)
-    assert "predicted" in chosen["reason"]
+    assert chosen["reason"].startswith(f"{best.layout} (d0={best.d0}, d1={best.d1})") and "predicted" in \
+        chosen["reason"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert metrics and metrics[-1]["step"] == 1
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -34,12 +33,9 @@ def differs(a: Batch, b: Batch) -> bool:
     return a.values.shape != b.values.shape or not torch.equal(a.values, b.values)
 
 
-def test_tiny_batch_shapes_dtypes_and_speed():
-    src = PriorSource(DataConfig.tiny())
-    batch_at(src, 0)  # warm up imports and caches
-    start = time.perf_counter()
-    b = batch_at(src, 1)
-    assert time.perf_counter() - start < 1.0
+def test_tiny_batch_shapes_and_dtypes():
+    """(How fast a worker makes batches is benchmarks/prior.py's to measure.)"""
+    b = batch_at(PriorSource(DataConfig.tiny()), 1)
     assert b.values.shape == b.missing.shape == b.cat_codes.shape == (8, 64, 8)
     assert b.values.dtype == torch.float32 and b.missing.dtype == torch.bool and b.cat_codes.dtype == torch.int64
     assert b.is_cat.shape == b.n_cats.shape == b.col_pad.shape == (8, 8)

@@ -14,21 +14,21 @@ from __future__ import annotations
 import copy
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
+from builders import B, H, HEADS, S, Holder, layer_case
 from dist_harness import get_mesh
-from test_parallel_layers import Holder
-from test_parallel_layers import _build as core_build
 from torch import nn
 
 from tabfm.parallel import dense
 from tabfm.parallel.comm import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from tabfm.parallel.layers import ColumnFirstLinear, gather_activation, shard_activation
 from tabfm.parallel.mesh import TPMesh
+from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel.overlap import chunk_bounds
 from tabfm.parallel.parallelize import block_plan, parallelize
 
-B, S, H, HEADS = 2, 12, 16, 4
 MESHES = [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)]
 CHUNKS = (2, 4, 5)
 
@@ -40,13 +40,13 @@ def _batch(kind: str) -> int:
 
 
 def _build(kind: str) -> tuple[nn.Module, dict[str, str], dict]:
-    """The core tests' modules (test_parallel_layers._build), plus attention on 3 or 1 sequences and bare linears."""
+    """The core tests' modules (builders.layer_case), plus attention on 3 or 1 sequences and bare linears."""
     if kind in ("attention_b3", "attention_b1"):
         return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {"num_kv": 8}
     if kind == "linears":  # bare column-first then row-first linears (the "colwise" / "rowwise" styles)
         return (Holder(nn.Sequential(nn.Linear(H, 2 * H), nn.Linear(2 * H, H))),
                 {"m.0": "colwise", "m.1": "rowwise"}, {})
-    return core_build(kind)
+    return layer_case(kind)
 
 
 def _keep_gathered_inputs(par: nn.Module) -> nn.Module:
@@ -70,21 +70,35 @@ def _run(model: nn.Module, plan, kwargs, mesh, sp: bool, k: int, x, g,
     return out
 
 
+LAYER_KINDS = ("mlp", "attention", "attention_ctx", "attention_b3", "attention_b1", "stack", "linears")
+
+
+def _runs(kind: str) -> list[tuple[int, bool]]:
+    """(chunks, re-gather inputs) of each chunked run compared with the unchunked one."""
+    runs = [(k, True) for k in CHUNKS]
+    if kind == "stack":
+        runs += [(64, True), (4, False)]  # more chunks than tokens; gathered inputs kept, not re-gathered
+    return runs
+
+
+def _compared() -> set[str]:
+    """The name of every comparison _overlap_errors must make: each run of each kind, each tensor."""
+    return {f"{kind} k={k}{'' if regather else ' keep'} {name}" for kind in LAYER_KINDS for k, regather in _runs(kind)
+            for name in ("out", "dx", *(f"grad {n}" for n, _ in _build(kind)[0].named_parameters()))}
+
+
 def _overlap_errors(d0: int, d1: int, sp: bool) -> dict[str, float]:
     """Run on every rank: max |k-chunk - unchunked| over all kinds, chunk counts and tensors."""
     mesh = get_mesh(d0, d1) if d0 * d1 > 1 else TPMesh.single()
     errors = {}
-    for kind in ("mlp", "attention", "attention_ctx", "attention_b3", "attention_b1", "stack", "linears"):
+    for kind in LAYER_KINDS:
         torch.manual_seed(1234)
         model, plan, kwargs = _build(kind)
         model = model.double()
         x = torch.randn(_batch(kind), S, H, dtype=torch.float64) * 3 + 0.5
         g = torch.randn(_batch(kind), S, H, dtype=torch.float64)
         want = _run(model, plan, kwargs, mesh, sp, 1, x, g)
-        runs = [(k, True) for k in CHUNKS]
-        if kind == "stack":
-            runs += [(64, True), (4, False)]  # more chunks than tokens; gathered inputs kept, not re-gathered
-        for k, regather in runs:
+        for k, regather in _runs(kind):
             got = _run(model, plan, kwargs, mesh, sp, k, x, g, regather)
             assert got.keys() == want.keys()
             for name, t in want.items():
@@ -98,8 +112,9 @@ def _overlap_errors(d0: int, d1: int, sp: bool) -> dict[str, float]:
 def test_overlapped_layers_equal_unchunked(ranks, d0, d1, sp):
     n = d0 * d1
     results = [_overlap_errors(d0, d1, sp)] if n == 1 else ranks(n).run(_overlap_errors, d0, d1, sp)
+    compared = _compared()
     for rank, errors in enumerate(results):
-        assert len(errors) > 50
+        assert errors.keys() == compared
         bad = {k: v for k, v in errors.items() if not v <= 1e-10}
         assert not bad, f"rank {rank}: {bad}"
 
@@ -125,6 +140,24 @@ def test_bad_options_are_refused_clearly(monkeypatch):
     par = parallelize(copy.deepcopy(model), TPMesh.single(), block_plan("m"), kernels="triton")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         par.m(torch.randn(B, S, H))
+
+
+def test_parallel_options_are_checked_once_and_reach_every_layer():
+    options = ParallelOptions(sequence_parallel=np.True_, overlap_chunks=3, kernels="torch")  # a numpy flag too
+    assert options == ParallelOptions(True, 3, "torch") and options.sequence_parallel is True
+    par = parallelize(Holder(dense.BlockStack(1, H, HEADS)), TPMesh.dry_run(2, 2), block_plan("m"), options)
+    layers = [m for m in par.modules() if hasattr(m, "sequence_parallel")]
+    assert len(layers) == 8  # two norms, the attention and the MLP, and the two linears of each
+    for m in par.modules():
+        for name in ("sequence_parallel", "overlap_chunks", "kernels"):
+            assert getattr(m, name, getattr(options, name)) == getattr(options, name), (m, name)
+    model = Holder(dense.BlockStack(1, H, HEADS))
+    with pytest.raises(TypeError, match="not both"):
+        parallelize(model, TPMesh.single(), block_plan("m"), options, overlap_chunks=2)
+    with pytest.raises(TypeError, match="options must be a ParallelOptions, got bool"):
+        parallelize(model, TPMesh.single(), block_plan("m"), True)
+    with pytest.raises(ValueError, match="sequence_parallel must be true or false, got 'yes'"):
+        ParallelOptions(sequence_parallel="yes")
 
 
 def test_sequence_parallel_token_count_must_divide(ranks):

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from builders import B, H, S, Holder, layer_case
 from dist_harness import get_mesh
 from torch import nn
 
@@ -20,45 +21,16 @@ from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.parallelize import block_plan, parallelize, shard_specs
 from tabfm.parallel.sharding import ShardSpec, shard_tensor
 
-B, S, H, HEADS, V = 2, 12, 16, 4, 16
+V = 16  # embedding rows
 MESHES = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(4, 1), (2, 2), (1, 4)]}
 CASES = [(n, d0, d1) for n, meshes in MESHES.items() for d0, d1 in meshes]
-
-
-class Holder(nn.Module):
-    """Gives the module under test a parent, so the plan can swap it."""
-
-    def __init__(self, m: nn.Module):
-        super().__init__()
-        self.m = m
-
-
-def _build(kind: str) -> tuple[nn.Module, dict[str, str], dict]:
-    if kind == "mlp":
-        return Holder(dense.Mlp(H, 4 * H)), {"m": "mlp"}, {}
-    if kind == "attention":
-        return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {}
-    if kind == "attention_ctx":
-        # Query-to-context: every token attends to the first 8 (the "train" rows), some of which are padding.
-        mask = torch.ones(B, S, 8, dtype=torch.bool)
-        mask[1, :, 6:] = False
-        return Holder(dense.Attention(H, HEADS)), {"m": "attention"}, {"num_kv": 8, "attn_mask": mask}
-    if kind == "norm":
-        norm = nn.LayerNorm(H)
-        with torch.no_grad():  # non-trivial affine parameters
-            norm.weight.normal_()
-            norm.bias.normal_()
-        return Holder(norm), {"m": "norm"}, {}
-    if kind == "stack":
-        return Holder(dense.BlockStack(2, H, HEADS)), block_plan("m"), {"num_kv": 8}
-    raise ValueError(kind)
 
 
 def _max_errors(kind: str, d0: int, d1: int, sp: bool) -> dict[str, float]:
     """Run on every rank: dense reference and ATP module on the same seeded weights and input."""
     mesh = get_mesh(d0, d1) if d0 * d1 > 1 else TPMesh.single()
     torch.manual_seed(1234)
-    model, plan, kwargs = _build(kind)
+    model, plan, kwargs = layer_case(kind)
     model = model.double()
     x = torch.randn(B, S, H, dtype=torch.float64) * 3 + 0.5
     g = torch.randn(B, S, H, dtype=torch.float64)
@@ -92,8 +64,9 @@ def _max_errors(kind: str, d0: int, d1: int, sp: bool) -> dict[str, float]:
 @pytest.mark.parametrize("n,d0,d1", CASES, ids=[f"{d0}x{d1}" for _, d0, d1 in CASES])
 def test_matches_dense_reference(ranks, n, d0, d1, kind, sp):
     results = [_max_errors(kind, d0, d1, sp)] if n == 1 else ranks(n).run(_max_errors, kind, d0, d1, sp)
+    compared = {"out", "dx", *(f"grad {name}" for name, _ in layer_case(kind)[0].named_parameters())}
     for rank, errors in enumerate(results):
-        assert len(errors) > 2
+        assert errors.keys() == compared  # the plain model's parameter names, every one compared
         bad = {k: v for k, v in errors.items() if not v <= 1e-10}
         assert not bad, f"rank {rank}: {bad}"
 

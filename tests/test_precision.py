@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def _steps(d0: int, d1: int, sp: bool, precision: str, chunks: int = 1, steps: i
     `chunks` overlapped chunks per layer; the losses and the dtypes of everything the optimizer holds."""
     cfg = load_config(TINY, [*SMALL_TABLES, f"train.precision={precision}", "optim.grad_clip=0.1"])
     mesh = get_mesh(d0, d1)
-    model = parallelize_model(build_model(cfg.model, seed=0), mesh, sp, overlap_chunks=chunks)
+    model = parallelize_model(build_model(cfg.model, seed=0), mesh, sequence_parallel=sp, overlap_chunks=chunks)
     optimizer = make_optimizer(model, cfg.optim)
     losses, loss_dtypes = [], set()
     for step, batch in enumerate(make_loader(cfg.data, num_steps=steps)):
@@ -239,9 +240,12 @@ def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| tiny |")]
     assert [r[2].strip() for r in rows] == ["fp32", "tf32", "bf16", "bf16+compile"], out
-    for r in rows:
-        step_ms, cells, gflop = float(r[3]), float(r[4]), float(r[5])
-        assert step_ms > 0 and cells > 0 and gflop > 0 and r[7].strip() == "n/a", r  # no peak known for a CPU
+    for r in rows:  # cells/s is the batch's cells over the step time; no peak is known for a CPU
+        step_ms, cells, tables_rows_features = float(r[3]), float(r[4]), r[1].split(" x ")
+        assert cells == pytest.approx(math.prod(map(int, tables_rows_features)) / (step_ms / 1e3), rel=0.02), r
+        assert r[7].strip() == "n/a", r
+    gflops = {float(r[5]) for r in rows}
+    assert len(gflops) == 1 and gflops.pop() > 0  # one model, one batch: the same FLOPs at every precision
     assert "| 2 x 32 x 4 | 0 |" in out  # the loader row
     e2e = [line for line in out.splitlines() if line.startswith("| 2 x 32 x 4 |") and "%" in line]
     assert len(e2e) == 1 and "failed" not in out
