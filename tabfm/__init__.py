@@ -12,8 +12,12 @@ __all__ = ["TabFMClassifier", "TabFMRegressor", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("TabFMClassifier", "TabFMRegressor"):
-        from tabfm import estimator
+    if name == "TabFMClassifier":
+        from tabfm.estimator import TabFMClassifier
 
-        return getattr(estimator, name)
+        return TabFMClassifier
+    if name == "TabFMRegressor":
+        from tabfm.regressor import TabFMRegressor
+
+        return TabFMRegressor
     raise AttributeError(f"module 'tabfm' has no attribute {name!r}")

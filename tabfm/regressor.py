@@ -1,0 +1,154 @@
+"""TabFMRegressor: in-context regression with the pretrained model (the shared machinery is tabfm.estimator's).
+
+The targets are normalised in float64, a ridge regression is fitted under the model (tabfm.linear_base: the model
+learns its out-of-fold residuals), the residuals are transformed per member (tabfm.target_transform), and each
+member's binned distribution is mapped back to target units exactly, the ridge's prediction added.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.base import RegressorMixin
+from sklearn.utils.validation import column_or_1d
+
+from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _TabFMBase, _threaded
+from tabfm.inference import Context
+from tabfm.linear_base import LinearBase
+from tabfm.model import TabFM
+from tabfm.preprocess import Cells, check_table_shape
+from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
+                                    sub_edges)
+
+
+class TabFMRegressor(RegressorMixin, _TabFMBase):
+    """In-context regression with the pretrained tabular model; scikit-learn API.
+
+    The targets are normalised in float64 before the model (any magnitude works) and, per member, transformed
+    (tabfm.target_transform); each member's predicted distribution is mapped back to target units exactly.
+    `predict` gives the mean of the members' mixture, `predict_quantiles` its quantiles.
+
+    Parameters are those of TabFMClassifier (without average, softmax_temperature, calibrate), and:
+
+    target_transforms : tuple of {"none", "power", "quantile"}, default=("none", "power")
+        Transforms of the (normalised) target, cycled over the members.
+    linear_base : bool, default=True
+        Fit a ridge regression first and show the model its out-of-fold residuals; predictions add the ridge
+        back (tabfm.linear_base). The model alone fits linear trends over many columns poorly.
+    """
+
+    _task = "regression"
+    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"]}
+
+    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
+                 checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
+                 max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
+                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 n_jobs: int | None = None, target_transforms: tuple[str, ...] = ("none", "power"),
+                 linear_base: bool = True):
+        super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
+                         max_features=max_features, checkpoint=checkpoint,
+                         categorical_features=categorical_features, max_context_rows=max_context_rows,
+                         batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                         sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
+                         n_jobs=n_jobs)
+        self.target_transforms = target_transforms
+        self.linear_base = linear_base
+
+    @_threaded
+    def fit(self, X: Any, y: Any) -> TabFMRegressor:
+        """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
+        self._validate_params()
+        check_table_shape(X)
+        y = column_or_1d(y, warn=True)
+        try:
+            y = y.astype(np.float64)
+        except (TypeError, ValueError):
+            raise ValueError("y must hold numbers for a regressor (use TabFMClassifier for labels)") from None
+        if not np.isfinite(y).all():
+            raise ValueError("y holds NaN or inf: drop those rows or fill in their targets")
+        self._target_kinds()
+        model = self._prepare()
+        self._fit_common(X, y, self.n_estimators, model)
+        return self
+
+    def _target_kinds(self) -> tuple[str, ...]:
+        from tabfm.target_transform import TARGET_TRANSFORMS
+
+        kinds = (self.target_transforms,) if isinstance(self.target_transforms, str) else tuple(self.target_transforms)
+        if not kinds or any(k not in TARGET_TRANSFORMS for k in kinds):
+            raise ValueError(f"target_transforms must be a non-empty list of {list(TARGET_TRANSFORMS)}, "
+                             f"got {self.target_transforms!r}")
+        return kinds
+
+    def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
+        """The members' train targets: y normalised (float64), less the linear base's out-of-fold prediction;
+        each member's target map is fitted on these residuals."""
+        self.target_scale_ = TargetScale.fit(y)
+        u = self.target_scale_.forward(y)
+        if self.linear_base:
+            self.linear_base_, fitted = LinearBase.fit(cells, u, self.random_state)
+            u = u - fitted
+        else:
+            self.linear_base_ = None
+        kinds = self._target_kinds()
+        self.target_maps_ = [TargetTransform(kinds[m % len(kinds)]).fit(u) for m in range(self.n_estimators)]
+        return u
+
+    def _offset(self, cells: Cells) -> np.ndarray:
+        """[n] what the linear base adds to the model's prediction of each row, in target units."""
+        if self.linear_base_ is None:
+            return np.zeros(len(cells.values))
+        return self.target_scale_.scale * self.linear_base_.predict(cells)
+
+    def _n_outputs(self) -> int:
+        return 0
+
+    def _member_labels(self, m: int, y: np.ndarray) -> np.ndarray:
+        return self.target_maps_[m].transform(y).astype(np.float64)
+
+    def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
+        return logits.softmax(-1)  # bin probabilities [g, n, num_bins]
+
+    def _contexts_encoded(self) -> None:
+        """Each member's bins in target units: the model's bin edges over its standardised labels, through the
+        member's train-label statistics (as the model computed them), its target map and the float64 scale."""
+        model = self._model()
+        edges = model.bin_edges().double().cpu().numpy()
+        stats = np.empty((self.n_members_, 2))
+        for members, context in self.contexts_:
+            mean, std = context.target_stats
+            stats[members, 0] = mean.double().cpu().numpy()[:, 0]
+            stats[members, 1] = std.double().cpu().numpy()[:, 0]
+        points, edges_y = [], []
+        for m in range(self.n_members_):
+            to_y = lambda z, m=m: self.target_scale_.inverse(self.target_maps_[m].inverse(z * stats[m, 1] + stats[m, 0]))  # noqa: E731
+            points.append(to_y(bin_points(edges)))
+            edges_y.append(np.maximum.accumulate(to_y(sub_edges(edges))))
+        self.bin_points_y_, self.bin_edges_y_ = np.stack(points), edges_y
+
+    def _mean_of(self, probs: np.ndarray) -> np.ndarray:
+        return np.mean([mapped_mean(probs[m], self.bin_points_y_[m]) for m in range(self.n_members_)], axis=0)
+
+    @_threaded
+    def predict(self, X: Any) -> np.ndarray:
+        """[n] predicted targets: the mean of the ensemble's predictive distribution."""
+        cells = self._cells_of(X)
+        return self._cell_outputs(cells, self._mean_of) + self._offset(cells)
+
+    @_threaded
+    def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
+        """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
+        members'), in target units."""
+        q = np.atleast_1d(np.asarray(quantiles, np.float64))
+        if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
+            raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
+        # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
+        cells = self._cells_of(X)
+        out = self._cell_outputs(cells, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))
+        return out + self._offset(cells)[:, None]
