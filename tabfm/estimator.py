@@ -92,12 +92,12 @@ def shared_plain_model(path: str, mtime_ns: int, device: str, dtype: torch.dtype
 
 
 def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dtype: torch.dtype,
-    from tabfm.parallel_model import ParallelOptions
                          tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True) -> TabFM:
     """The model of a merged file or checkpoint folder (default: the shipped weights), in eval mode: the shared
     plain model (shared_plain_model), or with tensor_parallel a model parallelized on a new mesh, which it holds
     (tabfm.parallel_model.model_mesh reads it back). Estimators call it once per fit and keep it as `model_`."""
     from tabfm.checkpoint import load_model
+    from tabfm.parallel_model import ParallelOptions
 
     path = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
     if not path.exists():
