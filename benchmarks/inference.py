@@ -19,6 +19,11 @@ Target: a 100,000-row context within 8 GiB. The attention over rows is O(rows^2)
 quadratic least squares over the sizes >= 5,000 rows) and labelled as such. Measured on the shared 2-core VM
 (load 3-5): fit of 10,000 rows 25-29 s, 25,000 rows 134-186 s, so 100,000 rows ~35-50 min and 50,000 ~9-12 min;
 the default sizes stop at 25,000 (about 4 min for the memory part, 5 min for the whole script).
+
+Long contexts (--long-contexts 10000,25000): for each size, the fit time and peak resident memory of
+TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=2) on that many train rows x 20 features (then predict_proba
+of --test-rows rows), each in a fresh process, with the context encoded in one pass (--row-chunk 0, the code before
+tabfm.chunked) and in chunks of tabfm.chunked.ROW_CHUNK rows; only this section runs when it is given.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 from sklearn.datasets import make_classification
 
+import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier
 
@@ -168,13 +174,14 @@ def peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def one_size(rows: int, test_rows: int) -> dict:
-    """Run in a fresh process: fit on `rows` train rows + predict `test_rows`; memory and times as a dict."""
+def one_size(rows: int, test_rows: int, **params) -> dict:
+    """Run in a fresh process: fit on `rows` train rows + predict `test_rows` with TabFMClassifier(n_estimators=1,
+    **params); memory and times as a dict."""
     warm = make_data(200, 50, seed=1)
-    TabFMClassifier(n_estimators=1).fit(warm[0], warm[1]).predict_proba(warm[2])  # loads the model
+    TabFMClassifier(n_estimators=1, **params).fit(warm[0], warm[1]).predict_proba(warm[2])  # loads the model
     X_train, y_train, X_test, _ = make_data(rows, test_rows)
     base = peak_rss()
-    est = TabFMClassifier(n_estimators=1)
+    est = TabFMClassifier(n_estimators=1, **params)
     t0 = time.perf_counter()
     est.fit(X_train, y_train)
     t1 = time.perf_counter()
@@ -185,8 +192,8 @@ def one_size(rows: int, test_rows: int) -> dict:
     return {"rows": rows, "fit_s": t1 - t0, "predict_s": t2 - t1, "base": base, "peak": peak, "cache": cache}
 
 
-def measure_size(rows: int, test_rows: int) -> dict:
-    cmd = [sys.executable, __file__, "--one-size", str(rows), "--test-rows", str(test_rows)]
+def measure_size(rows: int, test_rows: int, *extra: str) -> dict:
+    cmd = [sys.executable, __file__, "--one-size", str(rows), "--test-rows", str(test_rows), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -241,6 +248,27 @@ def memory_section(log: Log, sizes: list[int], test_rows: int, png: Path) -> Non
     log(f"\nplot written to {png}")
 
 
+# -- long contexts ---------------------------------------------------------------------------------------------
+
+LONG_PARAMS = {"calibrate": False, "n_jobs": 2}
+"""TabFMClassifier(n_estimators=1, **LONG_PARAMS) in the long-context runs (issue 15: one context encoding)."""
+
+
+def long_context_section(log: Log, sizes: list[int], test_rows: int) -> None:
+    """Fit time and peak memory per context size, one pass against row chunks, each run in a fresh process."""
+    chunk = tabfm.chunked.ROW_CHUNK
+    log(f"long contexts: rows x {FEATURES} features, TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=2), fit "
+        f"+ predict_proba of {test_rows} test rows, each run in a fresh process; the context encoded in one pass "
+        f"or in chunks of {chunk} rows (tabfm.chunked.ROW_CHUNK)")
+    log(f"{'rows':>7} {'encoding':>12} {'fit s':>8} {'predict s':>9} {'base GiB':>8} {'peak GiB':>8} "
+        f"{'peak-base':>9} {'kv cache GiB':>12}")
+    for rows in sizes:
+        for label, row_chunk in (("one pass", 0), (f"chunks {chunk}", chunk)):
+            p = measure_size(rows, test_rows, "--long", "--row-chunk", str(row_chunk))
+            log(f"{rows:>7} {label:>12} {p['fit_s']:>8.2f} {p['predict_s']:>9.3f} {p['base'] / GIB:>8.3f} "
+                f"{p['peak'] / GIB:>8.3f} {(p['peak'] - p['base']) / GIB:>9.3f} {p['cache'] / GIB:>12.3f}")
+
+
 def plot(png: Path, x: np.ndarray, peak: np.ndarray, total: np.ndarray, mem_c: np.ndarray | None,
          time_c: np.ndarray | None) -> None:
     import matplotlib
@@ -276,14 +304,27 @@ def main() -> None:
     p.add_argument("--test-rows", type=int, default=100, help="test rows predicted in each memory run")
     p.add_argument("--skip-speed", action="store_true", help="only the memory runs")
     p.add_argument("--skip-memory", action="store_true", help="only the speed runs")
-    p.add_argument("--txt", type=Path, default=Path("benchmarks/results/inference.txt"), help="results text")
+    p.add_argument("--txt", type=Path, default=None,
+                   help="results text (default benchmarks/results/inference.txt; inference_long.txt with "
+                        "--long-contexts)")
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/inference_memory.png"), help="memory plot")
+    p.add_argument("--long-contexts", default=None, metavar="ROWS,ROWS",
+                   help="only the long-context runs at these context sizes, e.g. 10000,25000 (one pass and chunked)")
     p.add_argument("--one-size", type=int, default=None, help=argparse.SUPPRESS)  # internal: one memory point
+    p.add_argument("--long", action="store_true", help=argparse.SUPPRESS)  # internal: with LONG_PARAMS
+    p.add_argument("--row-chunk", type=int, default=None, help=argparse.SUPPRESS)  # internal: 0 = one pass
     args = p.parse_args()
 
     if args.one_size is not None:
-        print(json.dumps(one_size(args.one_size, args.test_rows)))
+        if args.row_chunk is not None:
+            tabfm.chunked.ROW_CHUNK = args.row_chunk or sys.maxsize
+        print(json.dumps(one_size(args.one_size, args.test_rows, **(LONG_PARAMS if args.long else {}))))
         return
+    try:
+        long_sizes = [int(s) for s in args.long_contexts.split(",")] if args.long_contexts else []
+    except ValueError:
+        p.error(f"--long-contexts takes comma-separated row counts such as 10000,25000, got {args.long_contexts!r}")
+    args.txt = args.txt or Path(f"benchmarks/results/inference{'_long' if long_sizes else ''}.txt")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.with_100k and TARGET_ROWS not in sizes:
         sizes.append(TARGET_ROWS)
@@ -294,6 +335,9 @@ def main() -> None:
         f"({torch.get_num_threads()} threads), float32, shipped model")
     log(f"# load average at start {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
         "(shared machine: absolute numbers move with the load)\n")
+    if long_sizes:
+        long_context_section(log, long_sizes, args.test_rows)
+        args.skip_speed = args.skip_memory = True
     if not args.skip_speed:
         speed_section(log, [int(n) for n in args.estimators.split(",")], args.repeats)
         log()

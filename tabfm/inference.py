@@ -6,6 +6,7 @@ attention over rows (tabfm.model.Context says which). The cache is an argument o
 layers:
 
     encode_context(model, batch)           TabFM.encode_context: run the train rows once, recording those
+                                           (tabfm.chunked: ROW_CHUNK rows at a time past that many rows)
     predict_logits(model, context, batch)  TabFM.forward(batch, context=context): test rows only, attending to
                                            the cached keys/values
 
@@ -18,16 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from tabfm.chunked import ROW_CHUNK, encode_context_chunked
 from tabfm.data.encode import Batch
 from tabfm.model import Context, TabFM
 
-__all__ = ["Context", "encode_context", "predict_logits"]
+__all__ = ["ROW_CHUNK", "Context", "encode_context", "predict_logits"]
 
 
 @torch.no_grad()
-def encode_context(model: TabFM, batch: Batch) -> Context:
-    """Encode the train rows of `batch` (tables of equal size, all rows train rows) once."""
-    return model.encode_context(batch)
+def encode_context(model: TabFM, batch: Batch, row_chunk: int | None = None) -> Context:
+    """Encode the train rows of `batch` (tables of equal size, all rows train rows) once, `row_chunk` rows at a
+    time (default tabfm.chunked.ROW_CHUNK) so that long contexts keep one chunk's activations, not all rows'."""
+    return encode_context_chunked(model, batch, row_chunk)
 
 
 @torch.no_grad()

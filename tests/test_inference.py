@@ -10,6 +10,7 @@ import torch
 from builders import tiny_model
 from dist_harness import get_mesh
 
+from tabfm.chunked import is_plain
 from tabfm.data.encode import Batch
 from tabfm.inference import encode_context, predict_logits
 from tabfm.parallel_model import parallelize_model
@@ -45,9 +46,9 @@ def rows_of(batch: Batch, rows: slice, n_train: int) -> Batch:
     return Batch(**parts, task=batch.task)
 
 
-def cached_logits(model, batch: Batch, test_chunks: int = 2) -> torch.Tensor:
-    """Encode the train rows, then predict the test rows in `test_chunks` batches."""
-    context = encode_context(model, rows_of(batch, slice(0, TRAIN), TRAIN))
+def cached_logits(model, batch: Batch, test_chunks: int = 2, row_chunk: int | None = None) -> torch.Tensor:
+    """Encode the train rows (`row_chunk` rows at a time), then predict the test rows in `test_chunks` batches."""
+    context = encode_context(model, rows_of(batch, slice(0, TRAIN), TRAIN), row_chunk)
     bounds = torch.linspace(TRAIN, ROWS, test_chunks + 1).long().tolist()
     return torch.cat([predict_logits(model, context, rows_of(batch, slice(a, b), 0))
                       for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=1)
@@ -114,7 +115,8 @@ def _sharded(d0: int, d1: int, sp: bool) -> dict[str, float]:
         with torch.no_grad():
             full = model(batch)[:, TRAIN:]
         par = parallelize_model(copy.deepcopy(model), mesh, sequence_parallel=sp)
-        errors[task] = float((cached_logits(par, batch) - full).abs().max())
+        assert is_plain(model) and not is_plain(par)  # a sharded model encodes its context in one pass
+        errors[task] = float((cached_logits(par, batch, row_chunk=3) - full).abs().max())
     return errors
 
 
@@ -123,3 +125,24 @@ def _sharded(d0: int, d1: int, sp: bool) -> dict[str, float]:
 def test_sharded_cached_inference_equals_one_process(ranks, world, d0, d1, sp):
     for rank_errors in ranks(world).run(_sharded, d0, d1, sp):
         assert max(rank_errors.values()) <= TOL, rank_errors
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_context_encoded_in_row_chunks_equals_one_pass(task):
+    """Chunks of 3 rows (the last one shorter) give the one-pass context: statistics and every cached key/value
+    (float64, 1e-10), and the test rows' logits from it equal a forward of the whole table."""
+    model, batch = tiny_model().eval(), full_table(task)
+    train = rows_of(batch, slice(0, TRAIN), TRAIN)
+    whole, chunked = model.encode_context(train), encode_context(model, train, row_chunk=3)
+    assert len(chunked.caches) == len(whole.caches)
+    for a, b in zip(whole.caches, chunked.caches, strict=True):
+        assert a.k.shape == b.k.shape and not b.recording
+        assert max((a.k - b.k).abs().max(), (a.v - b.v).abs().max()) <= TOL
+    assert all(torch.equal(a, b) for a, b in zip(whole.cell_stats, chunked.cell_stats, strict=True))
+    with torch.no_grad():
+        full = model(batch)[:, TRAIN:]
+    assert (predict_logits(model, chunked, rows_of(batch, slice(TRAIN, ROWS), 0)) - full).abs().max() <= TOL
+    with pytest.raises(ValueError, match="train rows only"):
+        encode_context(model, batch, row_chunk=3)
+    with pytest.raises(ValueError, match="positive number of rows"):
+        encode_context(model, train, row_chunk=0)
