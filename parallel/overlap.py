@@ -306,6 +306,9 @@ class _Pipeline(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad):
+        """The pipeline's backward, chunk by chunk. One function of ~70 lines on purpose: the order in which each
+        chunk's gradient collectives are launched, waited on and its deferred parameter gradients accumulated is
+        the overlap itself, and split into helpers that order would be spread over several places."""
         ops, params, saved, leaves = ctx.ops, ctx.params, ctx.saved, ctx.leaves
         need_dx = ctx.needs_input_grad[0]
         need_param = ctx.needs_input_grad[3:]

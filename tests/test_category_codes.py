@@ -1,0 +1,22 @@
+"""The two category encoders (data.encode for synthetic and evaluation tables, polars-vectorised; tabfm.preprocess
+for user inputs of any container) number categories by one rule: train categories sorted as strings, missing -1."""
+
+import numpy as np
+import polars as pl
+import pytest
+
+from tabfm.data.encode import _category_codes
+from tabfm.preprocess import TablePreprocessor
+
+
+@pytest.mark.parametrize("values", [
+    ["b", "a", None, "c", "a", "B", "10", "9", "é", "z"],
+    ["x"] * 3 + [None] + ["y"],
+    ["ünï", "Zed", "zed", "", "  ", None, "Zed"],
+])
+def test_prior_and_estimator_number_categories_alike(values):
+    codes, k = _category_codes(pl.Series(values, dtype=pl.String))
+    pre = TablePreprocessor(categorical_features=[0]).fit(np.array(values, dtype=object).reshape(-1, 1))
+    cells = pre.transform(np.array(values, dtype=object).reshape(-1, 1))
+    assert k == cells.n_cats[0]
+    np.testing.assert_array_equal(codes, cells.codes[:, 0])
