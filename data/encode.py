@@ -50,6 +50,21 @@ class Batch:
     """"classification" or "regression": one task per batch, so labels have one dtype."""
     step: int = -1
     """The step the batch was drawn for (-1 when not drawn for a step)."""
+    train_bounds: tuple[int, int] | None = None
+    """(fewest, most) train rows of a table: n_train's range as Python ints, read once when the batch is built, so
+    the model's forward reads no tensor into Python (torch.compile then traces it without a graph break). None
+    where n_train holds no values (the meta device, an empty batch)."""
+    most_classes: int | None = None
+    """n_classes.max() as a Python int, read likewise (None where n_classes holds no values)."""
+
+    def __post_init__(self) -> None:
+        """Read the Python-int summaries. On the CPU they are always re-read (cheap), so a batch rebuilt from another
+        one's fields never carries stale ones; on an accelerator those given (by `to`) are kept, avoiding a sync."""
+        if self.train_bounds is None or self.n_train.device.type == "cpu":
+            self.train_bounds = _int_range(self.n_train)
+        if self.most_classes is None or self.n_classes.device.type == "cpu":
+            span = _int_range(self.n_classes)
+            self.most_classes = None if span is None else span[1]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name."""
@@ -116,6 +131,14 @@ def encode_tables(tables: Sequence[Table], step: int = -1) -> Batch:
         task=task,
         step=step,
     )
+
+
+def _int_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """(min, max) of an integer tensor as Python ints; None when it holds no values (meta device or empty)."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one read (one sync on an accelerator)
+    return lo, hi
 
 
 def _category_codes(s: pl.Series) -> tuple[np.ndarray, int]:

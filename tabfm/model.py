@@ -149,11 +149,10 @@ class KeyRows:
     mask: torch.Tensor | None
 
     @classmethod
-    def of(cls, n_train: torch.Tensor, count: int, known: bool = True) -> KeyRows:
-        """known=False when n_train holds no values (the meta device): keep the mask."""
-        mask = train_rows(n_train, count)
-        if known and int(n_train.min()) >= count:
-            mask = None
+    def of(cls, n_train: torch.Tensor, count: int, fewest: int | None) -> KeyRows:
+        """fewest: the fewest train rows of a table as a Python int (Batch.train_bounds[0], so no tensor is read
+        here), or None when unknown (the meta device): then the mask is kept."""
+        mask = None if fewest is not None and fewest >= count else train_rows(n_train, count)
         return cls(count, mask)
 
     def mask_for(self, leading: int) -> torch.Tensor | None:
@@ -378,8 +377,9 @@ class TabFM(nn.Module):
 
     def _label_embedding(self, batch: Batch, train: torch.Tensor) -> torch.Tensor:
         if batch.task == "classification":
-            if not batch.labels.is_meta and int(batch.n_classes.max()) > self.config.max_classes:
-                raise ValueError(f"a table has {int(batch.n_classes.max())} classes; the model takes at most "
+            most = batch.most_classes  # a Python int read when the batch was built (None on the meta device)
+            if most is not None and most > self.config.max_classes:
+                raise ValueError(f"a table has {most} classes; the model takes at most "
                                  f"max_classes={self.config.max_classes}")
             emb = self.icl.class_embed(batch.labels.clamp(0, self.config.max_classes - 1))
         elif batch.task == "regression":
@@ -423,13 +423,14 @@ class TabFM(nn.Module):
     def _train_inputs(self, batch: Batch, max_train: int | None) -> tuple[KeyRows, tuple[torch.Tensor, torch.Tensor],
                                                                            torch.Tensor]:
         """What the rows read from the batch's own train rows: key rows, cell statistics, label embeddings."""
-        n_train = batch.n_train
-        known = max_train is None
-        if known:
-            if int(n_train.min()) < 1:
+        n_train, fewest = batch.n_train, None
+        if max_train is None:
+            if batch.train_bounds is None:
+                raise ValueError("the batch's n_train holds no values (meta device): pass forward(batch, max_train=)")
+            fewest, max_train = batch.train_bounds  # Python ints read when the batch was built: no graph break
+            if fewest < 1:
                 raise ValueError("every table needs at least one train row (n_train >= 1)")
-            max_train = int(n_train.max())
-        kv = KeyRows.of(n_train, max_train, known)
+        kv = KeyRows.of(n_train, max_train, fewest)
         stats = self.cells.stats(batch.values, batch.missing, n_train)
         return kv, stats, self._label_embedding(batch, train_rows(n_train, batch.values.shape[1]))
 
