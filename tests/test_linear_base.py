@@ -166,3 +166,11 @@ def test_save_and_load_keep_the_blend(tmp_path):
     clf.save(tmp_path / "clf")
     back = TabFMClassifier.load(tmp_path / "clf")
     np.testing.assert_allclose(back.predict_proba(X[250:]), clf.predict_proba(X[250:]), rtol=1e-6, atol=1e-7)
+
+
+def test_a_useless_logistic_regression_gets_no_weight():
+    rng = np.random.default_rng(7)
+    X = rng.uniform(-1, 1, size=(300, 2))
+    y = ((X[:, 0] > 0) ^ (X[:, 1] > 0)).astype(int)  # XOR: no linear boundary does better than chance
+    clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:250], y[:250])
+    assert clf.blend_weight_ == 0 and clf.linear_model_ is None
