@@ -465,8 +465,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         """(softmax temperature, blend weight) that minimise the log-loss of held-out train rows (a stratified
         20%, at most CALIBRATION_ROWS) predicted from the other train rows by the same ensemble, and with
         linear_blend by a logistic regression fitted on those rows too; (softmax_temperature, 0) when too few
-        rows. The blend is kept only when it beats the best unblended temperature by more than one standard error
-        of the held-out rows' loss differences: on a few dozen held-out rows a weight is otherwise noise.
+        rows.
 
         This probe is a second encoding, and it has to be: an honest held-out prediction needs a context without
         the held rows, and nothing of the full contexts carries over to one, since every stage that reads train
@@ -500,14 +499,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             linear = LogisticModel.fit(probe.train_cells_, y[keep], len(self.classes_)).predict_proba(held_cells)
         temps = np.exp(np.linspace(np.log(0.2), np.log(3.0), 41))
         truth = np.arange(len(held)), y[held]
-        rows = np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)) for w in weights]
-                         for proba in (self._combine(logp, t) for t in temps)])    # [T, W, held] per-row losses
-        losses = rows.mean(-1)
+        losses = np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
+                            for w in weights] for proba in (self._combine(logp, t) for t in temps)])
         t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)  # ties: the lowest temperature, weight
-        t0 = int(np.argmin(losses[:, 0]))
-        gain = rows[t0, 0] - rows[t, w]
-        if w > 0 and gain.mean() <= gain.std(ddof=1) / np.sqrt(len(gain)):  # within one standard error of w = 0
-            t, w = t0, 0
         return float(temps[t]), float(weights[w])
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
