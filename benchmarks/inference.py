@@ -3,6 +3,7 @@
     python benchmarks/inference.py [--estimators 1,4] [--repeats 3] [--sizes 1000,5000,10000,25000]
                                    [--with-100k] [--txt benchmarks/results/inference.txt]
                                    [--png benchmarks/results/inference_memory.png]
+    python benchmarks/inference.py --long-contexts 10000,25000   [--txt benchmarks/results/inference_long.txt]
 
 Speed: fit + predict_proba of 1,000 train x 1,000 test rows x 20 numeric features (make_classification,
 seed 0), best of --repeats after one warm-up per setting, for each n_estimators of --estimators and the
