@@ -141,8 +141,18 @@ def _int_range(t: torch.Tensor) -> tuple[int, int] | None:
     return lo, hi
 
 
-def _category_codes(s: pl.Series) -> tuple[np.ndarray, int]:
-    """(codes [n] int64 with -1 for null, number of categories): categories numbered in sorted string order."""
-    cats = s.drop_nulls().unique().sort()
+def category_codes(s: pl.Series, categories: pl.Series | None = None) -> tuple[np.ndarray, pl.Series]:
+    """(codes [n] int64, categories): the one category encoder of the project (synthetic tables, evaluation and
+    the estimators' preprocessing). Categories are the train values' distinct strings sorted (by code point),
+    numbered from 0; a null, or a value not among `categories` when they are given (a category first seen at
+    predict), is -1."""
+    s = s.cast(pl.String)
+    cats = s.drop_nulls().unique().sort() if categories is None else categories.cast(pl.String)
     codes = s.replace_strict(cats, pl.int_range(cats.len(), eager=True), default=-1, return_dtype=pl.Int64)
-    return codes.to_numpy(), cats.len()
+    return codes.to_numpy(), cats
+
+
+def _category_codes(s: pl.Series) -> tuple[np.ndarray, int]:
+    """(codes [n] int64 with -1 for null, number of categories) of a table's own categories."""
+    codes, cats = category_codes(s)
+    return codes, cats.len()

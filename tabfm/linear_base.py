@@ -42,8 +42,11 @@ class LinearDesign:
 
     numeric: np.ndarray
     """[Cn] positions of the numeric columns used."""
+    peaks: np.ndarray
+    """[Cn] each column's largest train magnitude (1 for an all-zero column): values are divided by it first, so
+    statistics of values near float64's limits do not overflow."""
     medians: np.ndarray
-    """[Cn] train medians (imputed for missing values)."""
+    """[Cn] train medians of the divided values (imputed for missing values)."""
     means: np.ndarray
     """[Cn] train means of the imputed columns."""
     scales: np.ndarray
@@ -60,12 +63,15 @@ class LinearDesign:
         numeric = np.flatnonzero(~cells.is_cat)
         values = cells.values[:, numeric]
         observed = ~np.isnan(values)
+        peaks = np.nanmax(np.abs(values), 0, initial=0.0) if len(values) else np.zeros(len(numeric))
+        peaks = np.where(peaks > 0, peaks, 1.0)
+        values = values / peaks
         medians = np.array([np.median(values[observed[:, j], j]) if observed[:, j].any() else 0.0
                             for j in range(len(numeric))])
         filled = np.where(observed, values, medians)
         scales = filled.std(0) if len(filled) else np.ones(len(numeric))
         categorical = np.flatnonzero(cells.is_cat & (cells.n_cats <= MAX_ONEHOT))
-        return cls(numeric=numeric, medians=medians, means=filled.mean(0) if len(filled) else medians,
+        return cls(numeric=numeric, peaks=peaks, medians=medians, means=filled.mean(0) if len(filled) else medians,
                    scales=np.where(scales > 0, scales, 1.0), indicators=np.flatnonzero((~observed).any(0)),
                    categorical=categorical, n_cats=cells.n_cats[categorical].astype(np.int64))
 
@@ -75,9 +81,11 @@ class LinearDesign:
 
     def __call__(self, cells) -> np.ndarray:
         """[n, width] float64 design matrix of the rows of `cells`."""
-        values = cells.values[:, self.numeric]
+        values = cells.values[:, self.numeric] / self.peaks
         missing = np.isnan(values)
-        standard = (np.where(missing, self.medians, values) - self.means) / self.scales
+        with np.errstate(all="ignore"):  # a test value far past the train rows may overflow: held at +-1e6
+            standard = (np.where(missing, self.medians, values) - self.means) / self.scales
+        standard = np.nan_to_num(np.clip(standard, -1e6, 1e6), nan=0.0)
         parts = [standard, missing[:, self.indicators].astype(np.float64)]
         for c, k in zip(self.categorical, self.n_cats, strict=True):
             code = cells.codes[:, c]

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import polars as pl
+
+from tabfm.data.encode import category_codes
 
 NUMERIC_TRANSFORMS = ("none", "robust", "quantile", "power")
 SCALINGS = NUMERIC_TRANSFORMS
@@ -76,6 +79,12 @@ def _is_missing(v: Any) -> bool:
         return True
     except ValueError:  # an array in a cell: not missing, and refused by the caller as a bad cell
         return False
+
+
+def _strings(values: Sequence[str | None]) -> pl.Series:
+    """A polars String series of category strings and None (from a list: an object array that starts with None
+    would be read as polars' Object type)."""
+    return pl.Series(list(values), dtype=pl.String)
 
 
 def category_string(v: Any) -> str:
@@ -316,7 +325,7 @@ class TablePreprocessor:
                 columns.append(Column(name, i, "numeric"))
                 raw_numeric.append(raw)
             else:
-                cats = tuple(sorted({v for v in raw if v is not None}))
+                cats = tuple(category_codes(_strings(raw))[1].to_list())
                 if len(cats) <= 1 and all(v is not None for v in raw):
                     continue  # constant
                 columns.append(Column(name, i, "categorical", cats))
@@ -383,8 +392,7 @@ class TablePreprocessor:
             else:
                 if kind == "numeric":
                     raw = np.array([None if math.isnan(v) else category_string(v) for v in raw], dtype=object)
-                lookup = {cat: k for k, cat in enumerate(c.categories)}
-                codes[:, j] = [lookup.get(v, -1) for v in raw]
+                codes[:, j] = category_codes(_strings(raw), _strings(c.categories))[0]
                 is_cat[j], n_cats[j] = True, len(c.categories)
         return Cells(values, codes, is_cat, n_cats)
 

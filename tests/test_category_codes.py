@@ -1,5 +1,5 @@
-"""The two category encoders (data.encode for synthetic and evaluation tables, polars-vectorised; tabfm.preprocess
-for user inputs of any container) number categories by one rule: train categories sorted as strings, missing -1."""
+"""One category encoder (tabfm.data.encode.category_codes) for synthetic and evaluation tables and for the
+estimators' inputs of any container: train categories sorted as strings, missing and unseen -1."""
 
 import numpy as np
 import polars as pl
@@ -20,3 +20,10 @@ def test_prior_and_estimator_number_categories_alike(values):
     cells = pre.transform(np.array(values, dtype=object).reshape(-1, 1))
     assert k == cells.n_cats[0]
     np.testing.assert_array_equal(codes, cells.codes[:, 0])
+
+
+def test_unseen_categories_at_predict_are_missing():
+    train = np.array(["b", "a", "c"], dtype=object).reshape(-1, 1)
+    pre = TablePreprocessor().fit(train)
+    cells = pre.transform(np.array(["c", "zz", None, "a"], dtype=object).reshape(-1, 1))
+    np.testing.assert_array_equal(cells.codes[:, 0], [2, -1, -1, 0])

@@ -174,3 +174,15 @@ def test_a_useless_logistic_regression_gets_no_weight():
     y = ((X[:, 0] > 0) ^ (X[:, 1] > 0)).astype(int)  # XOR: no linear boundary does better than chance
     clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:250], y[:250])
     assert clf.blend_weight_ == 0 and clf.linear_model_ is None
+
+
+def test_columns_of_extreme_magnitudes_give_a_finite_design():
+    rng = np.random.default_rng(3)
+    X = pd.DataFrame({"tiny": np.r_[np.zeros(38), 5e-324, 1e-310], "big": rng.normal(size=40) * 1e300,
+                      "edge": np.r_[np.zeros(38), 1.7e308, 1.7e308]})
+    y = rng.normal(size=40)
+    cells = _cells(X)
+    base, oof = LinearBase.fit(cells, y)
+    assert np.isfinite(base.design(cells)).all() and np.isfinite(oof).all()
+    assert np.isfinite(base.predict(cells)).all()
+    assert base.design(cells)[:, 2].std() > 0  # the column near float64's limit still carries its values
