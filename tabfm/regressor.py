@@ -31,7 +31,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     (tabfm.target_transform); each member's predicted distribution is mapped back to target units exactly.
     `predict` gives the mean of the members' mixture, `predict_quantiles` its quantiles.
 
-    Parameters are those of TabFMClassifier (without average, softmax_temperature, calibrate), and:
+    Parameters are those of TabFMClassifier (without average, softmax_temperature, calibrate, linear_blend), and:
 
     target_transforms : tuple of {"none", "power", "quantile"}, default=("none", "power")
         Transforms of the (normalised) target, cycled over the members.
