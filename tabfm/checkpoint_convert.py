@@ -15,13 +15,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from tabfm.checkpoint_format import (DTYPES, MANIFEST, MERGED_FORMAT, MODEL, finish_folder, rank_file, save_tensors,
                                      spec_from_json)
-from tabfm.checkpoint_inspect import (check_finite, config_from_dict, gather_full, inspect_checkpoint, meta_model,
-                                      no_constants, pos_int, read_header)
+from tabfm.checkpoint_inspect import (check_finite, config_from_dict, gather_full, inspect_checkpoint, load_finite,
+                                      meta_model, no_constants, pos_int, read_header)
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
@@ -120,12 +118,7 @@ def load_merged(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     not_float = {k: str(dtype) for k, (_, dtype) in header.items() if not dtype.is_floating_point}
     if not_float:
         raise ValueError(f"{path}: weights must be floating point: {not_float}")
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} cannot be read as safetensors (corrupt or truncated?): {e}") from None
-    check_finite(state, str(path))
-    return cfg, state
+    return cfg, load_finite(path)
 
 
 def load_model(path: str | Path, mesh: TPMesh | None = None, options: ParallelOptions | None = None,

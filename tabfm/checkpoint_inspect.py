@@ -324,10 +324,16 @@ def read_rank_file(ckpt_dir: Path, manifest: dict, name: str) -> dict[str, torch
         raise ValueError(f"{path} is missing or changed size since it was checked")
     if sha256(path) != info["sha256"]:
         raise ValueError(f"{path} is corrupt: its sha256 does not match the manifest's")
+    return load_finite(path)
+
+
+def load_finite(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file whose header was already checked; unreadable bytes or a non-finite
+    floating-point tensor raise one ValueError naming the file."""
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} cannot be read as safetensors: {e}") from None
+        raise ValueError(f"{path} cannot be read as safetensors (corrupt or truncated?): {e}") from None
     check_finite(tensors, str(path))
     return tensors
 

@@ -302,10 +302,6 @@ class _TabFMBase(BaseEstimator):
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
         return self.preprocessor_.transform(X)
 
-    def _predict_cells_of(self, X: Any, finalize) -> np.ndarray:
-        """finalize(member outputs [M, b, Y]) of the rows of X, batch by batch (memory bounded by the batch)."""
-        return self._cell_outputs(self._cells_of(X), finalize)
-
     def _cell_outputs(self, cells: Cells, finalize=None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
         probabilities), or finalize(outputs of each test batch) concatenated over the batches."""
@@ -506,7 +502,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
-        if self.__dict__.get("linear_model_") is None:
+        if getattr(self, "linear_model_", None) is None:  # also an estimator saved before the blend existed
             return proba
         return (1 - self.blend_weight_) * proba + self.blend_weight_ * self.linear_model_.predict_proba(cells)
 
