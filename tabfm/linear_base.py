@@ -156,13 +156,13 @@ class LogisticModel:
 
     def predict_proba(self, cells) -> np.ndarray:
         """[n, n_classes] probabilities (0 for a class the train rows did not hold)."""
+        from scipy.special import softmax
+
         z = self.design(cells) @ self.coef.T + self.intercept
         if len(self.classes) == 2:
             z = np.concatenate([np.zeros_like(z), z], 1)
-        z = z - z.max(1, keepdims=True)
-        p = np.exp(z)
         out = np.zeros((len(z), self.n_classes))
-        out[:, self.classes] = p / p.sum(1, keepdims=True)
+        out[:, self.classes] = softmax(z, axis=1)
         return out
 
 
