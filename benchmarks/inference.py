@@ -7,10 +7,11 @@
 
 Speed: fit + predict_proba of 1,000 train x 1,000 test rows x 20 numeric features (make_classification,
 seed 0), best of --repeats after one warm-up per setting, for each n_estimators of --estimators and the
-default. Target: the default estimator's fit + predict under 1 s. Reference ("no cache"): the same members'
-preprocessed rows as ONE table of 2,000 rows (1,000 train rows, then the 1,000 test rows, n_train = 1,000), run
-through one full model forward per member group, i.e. what every prediction would cost without the cached
-keys/values; its probabilities are checked against predict_proba.
+default, and the default with one global context per member (local_context_rows=None, the default before local
+contexts) as the reference, with the ratio. Target: the default estimator's fit + predict under 1 s. Reference
+("no cache"): per context, its train rows followed by the test rows it predicts as one table, run through one full
+model forward, i.e. what every prediction would cost without the cached keys/values; its probabilities are
+checked against predict_proba.
 
 Memory: for each context size (train rows x 20 features, n_estimators=1), fit + predict_proba of 100 test rows in
 a fresh process (`--one-size ROWS`), reporting the peak resident memory (VmHWM), the baseline before the fit
@@ -21,10 +22,11 @@ quadratic least squares over the sizes >= 5,000 rows) and labelled as such. Meas
 (load 3-5): fit of 10,000 rows 25-29 s, 25,000 rows 134-186 s, so 100,000 rows ~35-50 min and 50,000 ~9-12 min;
 the default sizes stop at 25,000 (about 4 min for the memory part, 5 min for the whole script).
 
-Long contexts (--long-contexts 10000,25000): for each size, the fit time and peak resident memory of
+Long contexts (--long-contexts 10000,25000,100000): for each size, the fit time and peak resident memory of
 TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=2) on that many train rows x 20 features (then predict_proba
-of --test-rows rows), each in a fresh process, with the context encoded in one pass (--row-chunk 0, the code before
-tabfm.chunked) and in chunks of tabfm.chunked.ROW_CHUNK rows; only this section runs when it is given.
+of --test-rows rows), each in a fresh process: with local contexts (the default, tabfm.local_context), and up to
+GLOBAL_LIMIT rows with one global context (local_context_rows=None) encoded in one pass (--row-chunk 0, the code
+before tabfm.chunked) and in chunks of tabfm.chunked.ROW_CHUNK rows; only this section runs when it is given.
 """
 
 from __future__ import annotations
@@ -86,10 +88,13 @@ class Speed:
         return self.fit_s + self.predict_s
 
 
-def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool) -> tuple[Speed, TabFMClassifier]:
-    """Fit + predict_proba, best total of `repeats` after one warm-up; the fitted estimator of the last run."""
+def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool,
+                   local: bool = True) -> tuple[Speed, TabFMClassifier]:
+    """Fit + predict_proba, best total of `repeats` after one warm-up; the fitted estimator of the last run.
+    local=False: one context of all train rows per member (local_context_rows=None)."""
     X_train, y_train, X_test, y_test = data
-    est = TabFMClassifier(n_estimators=n_estimators, calibrate=calibrate)
+    extra = {} if local else {"local_context_rows": None}
+    est = TabFMClassifier(n_estimators=n_estimators, calibrate=calibrate, **extra)
     est.fit(X_train, y_train).predict_proba(X_test)  # warm-up: loads the model, first-call kernel setup
     best: Speed | None = None
     for _ in range(repeats):
@@ -106,21 +111,26 @@ def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool
 
 @torch.no_grad()
 def full_forward_proba(est: TabFMClassifier, X_test: np.ndarray) -> np.ndarray:
-    """predict_proba without the cache: per member group, one forward of the train rows followed by the test rows
-    (n_train = train rows), preprocessed exactly as the fitted estimator does it."""
+    """predict_proba without the cache: per context, one forward of its train rows followed by the test rows it
+    predicts (all of them, or with local contexts those routed to it; n_train = the context's rows),
+    preprocessed exactly as the fitted estimator does it."""
     model = est._model()
     test = est.preprocessor_.transform(X_test)
     n_train, n_test = est.context_rows_.shape[1], len(test.values)
+    route = None if est.local_ is None else est.local_.route(test)
     logp = np.empty((est.n_members_, n_test, est.n_groups_))
-    for members, _ in est.contexts_:
-        train = est._member_values(est.train_cells_, members, est.context_rows_)
-        rows = est._member_values(test, members)
-        parts = {k: torch.cat([train[k], rows[k]], 1) if k in ("values", "missing", "cat_codes") else train[k]
+    for u, m in enumerate(est.context_members_):
+        rows = np.arange(n_test) if route is None else np.flatnonzero(route[m] == u)
+        if not len(rows):
+            continue
+        train = est._unit_values(est.train_cells_, np.array([u]), est.context_rows_[[u]])
+        tested = est._unit_values(test, np.array([u]), rows[None])
+        parts = {k: torch.cat([train[k], tested[k]], 1) if k in ("values", "missing", "cat_codes") else train[k]
                  for k in train}
-        labels = np.stack([est._member_labels(m, est.y_train_[est.context_rows_[m]]) for m in members])
-        labels = torch.cat([torch.from_numpy(labels), torch.full((len(members), n_test), IGNORE_LABEL)], 1)
-        logits = model(est._batch(parts, labels, n_train, est.n_groups_))[:, n_train:].double()
-        logp[members] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
+        labels = torch.from_numpy(est._member_labels(m, est.y_train_[est.context_rows_[u]]))[None]
+        labels = torch.cat([labels, torch.full((1, len(rows)), IGNORE_LABEL)], 1)
+        logits = model(est._batch(parts, labels, n_train, est.n_groups_))[0, n_train:].double()
+        logp[m, rows] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
     return est._blend(est._combine(logp, est.temperature_), test)  # the same decoding, temperature and blend
 
 
@@ -140,24 +150,29 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
     data = make_data(1000, 1000)
     log(f"speed: 1,000 train x 1,000 test rows x {FEATURES} numeric features, batch_size "
         f"{TabFMClassifier().batch_size}; best of {repeats} after a warm-up (default n_estimators = {default})")
-    log(f"{'n_est':>5} {'cal':>3} {'fit s':>7} {'predict s':>9} {'total s':>8} {'acc':>6} | {'no-cache fwd s':>14} "
-        f"{'/predict':>8} {'/total':>7} {'max|dp|':>8}")
-    totals: dict[tuple[int, bool], float] = {}
-    for n, calibrate in [(n, c) for n in sorted(set(estimators) | {default}) for c in (True, False)]:
-        speed, est = time_estimator(n, data, repeats, calibrate)
+    log(f"{'n_est':>5} {'cal':>3} {'context':>7} {'fit s':>7} {'predict s':>9} {'total s':>8} {'acc':>6} | "
+        f"{'no-cache fwd s':>14} {'/predict':>8} {'/total':>7} {'max|dp|':>8}")
+    totals: dict[tuple[int, bool, bool], float] = {}
+    settings = [(n, c, True) for n in sorted(set(estimators) | {default}) for c in (True, False)]
+    settings += [(default, c, False) for c in (True, False)]  # the reference: one global context per member
+    for n, calibrate, local in settings:
+        speed, est = time_estimator(n, data, repeats, calibrate, local)
         full_s, diff = time_full_forward(est, data[2], repeats)
-        totals[n, calibrate] = speed.total_s
-        mark = " (default)" if n == default and calibrate else ""
-        log(f"{n:>5} {'yes' if calibrate else 'no':>3} {speed.fit_s:>7.3f} {speed.predict_s:>9.3f} "
-            f"{speed.total_s:>8.3f} {speed.accuracy:>6.3f} | {full_s:>14.3f} {full_s / speed.predict_s:>7.2f}x "
-            f"{full_s / speed.total_s:>6.2f}x {diff:>8.1e}{mark}")
-    log("no-cache fwd = one full forward per member group of the 2,000-row table (train rows then test rows,")
-    log("n_train = 1,000) incl. the test rows' preprocessing; /predict = what each predict call saves with the cache,")
+        totals[n, calibrate, local] = speed.total_s
+        mark = " (default)" if n == default and calibrate and local else ""
+        log(f"{n:>5} {'yes' if calibrate else 'no':>3} {'local' if local else 'global':>7} {speed.fit_s:>7.3f} "
+            f"{speed.predict_s:>9.3f} {speed.total_s:>8.3f} {speed.accuracy:>6.3f} | {full_s:>14.3f} "
+            f"{full_s / speed.predict_s:>7.2f}x {full_s / speed.total_s:>6.2f}x {diff:>8.1e}{mark}")
+    log("no-cache fwd = one full forward per context of its train rows then the test rows it predicts (with local")
+    log("contexts, those routed to it) incl. the test rows' preprocessing; /predict = what each predict call saves with the cache,")
     log("/total = against fit + predict (one predict per fit: the cache pays off from the second predict on);")
     log("max|dp| = largest difference between its probabilities and predict_proba's; cal = calibrate (the")
     log("classifier's temperature fitted on held-out train rows at fit: about one more context encoding).")
     for calibrate in (True, False):
-        total = totals[default, calibrate]
+        ratio = totals[default, calibrate, False] / totals[default, calibrate, True]
+        log(f"default n_estimators, calibrate={calibrate}: global contexts / local contexts = {ratio:.2f}x the time")
+    for calibrate in (True, False):
+        total = totals[default, calibrate, True]
         log(f"target: 1,000-row case (default n_estimators={default}, calibrate={calibrate}) under "
             f"{TARGET_SECONDS:g} s on this machine: {'MET' if total < TARGET_SECONDS else 'MISSED'} ({total:.3f} s)")
 
@@ -253,19 +268,27 @@ def memory_section(log: Log, sizes: list[int], test_rows: int, png: Path) -> Non
 
 LONG_PARAMS = {"calibrate": False, "n_jobs": 2}
 """TabFMClassifier(n_estimators=1, **LONG_PARAMS) in the long-context runs (issue 15: one context encoding)."""
+GLOBAL_LIMIT = 25_000
+"""The long-context runs encode one global context only up to this many rows (quadratic: 100,000 took 36 min)."""
 
 
 def long_context_section(log: Log, sizes: list[int], test_rows: int) -> None:
     """Fit time and peak memory per context size, one pass against row chunks, each run in a fresh process."""
     chunk = tabfm.chunked.ROW_CHUNK
     log(f"long contexts: rows x {FEATURES} features, TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=2), fit "
-        f"+ predict_proba of {test_rows} test rows, each run in a fresh process; the context encoded in one pass "
-        f"or in chunks of {chunk} rows (tabfm.chunked.ROW_CHUNK)")
+        f"+ predict_proba of {test_rows} test rows, each run in a fresh process: local contexts (the default), and "
+        f"up to {GLOBAL_LIMIT:,} rows one global context encoded in one pass or in chunks of {chunk} rows "
+        f"(tabfm.chunked.ROW_CHUNK)")
     log(f"{'rows':>7} {'encoding':>12} {'fit s':>8} {'predict s':>9} {'base GiB':>8} {'peak GiB':>8} "
         f"{'peak-base':>9} {'kv cache GiB':>12}")
+    local_rows = TabFMClassifier().local_context_rows
     for rows in sizes:
-        for label, row_chunk in (("one pass", 0), (f"chunks {chunk}", chunk)):
-            p = measure_size(rows, test_rows, "--long", "--row-chunk", str(row_chunk))
+        runs = [(f"local {local_rows}", ["--long"])]
+        if rows <= GLOBAL_LIMIT:
+            runs += [(label, ["--long", "--global-context", "--row-chunk", str(row_chunk)])
+                     for label, row_chunk in (("one pass", 0), (f"chunks {chunk}", chunk))]
+        for label, flags in runs:
+            p = measure_size(rows, test_rows, *flags)
             log(f"{rows:>7} {label:>12} {p['fit_s']:>8.2f} {p['predict_s']:>9.3f} {p['base'] / GIB:>8.3f} "
                 f"{p['peak'] / GIB:>8.3f} {(p['peak'] - p['base']) / GIB:>9.3f} {p['cache'] / GIB:>12.3f}")
 
@@ -314,12 +337,14 @@ def main() -> None:
     p.add_argument("--one-size", type=int, default=None, help=argparse.SUPPRESS)  # internal: one memory point
     p.add_argument("--long", action="store_true", help=argparse.SUPPRESS)  # internal: with LONG_PARAMS
     p.add_argument("--row-chunk", type=int, default=None, help=argparse.SUPPRESS)  # internal: 0 = one pass
+    p.add_argument("--global-context", action="store_true", help=argparse.SUPPRESS)  # internal: no local contexts
     args = p.parse_args()
 
     if args.one_size is not None:
         if args.row_chunk is not None:
             tabfm.chunked.ROW_CHUNK = args.row_chunk or sys.maxsize
-        print(json.dumps(one_size(args.one_size, args.test_rows, **(LONG_PARAMS if args.long else {}))))
+        params = {**(LONG_PARAMS if args.long else {}), **({"local_context_rows": None} if args.global_context else {})}
+        print(json.dumps(one_size(args.one_size, args.test_rows, **params)))
         return
     try:
         long_sizes = [int(s) for s in args.long_contexts.split(",")] if args.long_contexts else []

@@ -43,6 +43,7 @@ from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import Member, draw_members, member_cells, member_width
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.linear_base import LogisticModel
+from tabfm.local_context import LocalContexts
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
@@ -67,16 +68,26 @@ and a class the logistic regression never saw keeps some probability."""
 
 
 def _mesh(d0: int, d1: int, device: torch.device):
-    """A new d0 x d1 mesh over this run's processes (every rank builds it at the same point of fit)."""
+    """The d0 x d1 mesh over this run's processes (every rank asks for it at the same point of fit)."""
     import torch.distributed as dist
 
-    from tabfm.parallel.mesh import LayoutError, ParallelDims
+    from tabfm.parallel.mesh import LayoutError
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if d0 * d1 != world:
         raise LayoutError(f"tensor_parallel=({d0}, {d1}) needs {d0 * d1} processes, this run has {world}: launch "
                           f"with `torchrun --nproc-per-node {d0 * d1}` (or `tabfm predict --nproc {d0 * d1}`)")
-    return ParallelDims(d0=d0, d1=d1).build(device.type)
+    return _layout_mesh(d0, d1, device.type, dist.group.WORLD)
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_mesh(d0: int, d1: int, device_type: str, world: object):
+    """One mesh per layout for the life of the default process group `world` (the key holds the group itself, so a
+    re-initialised group gets new meshes): a mesh's process groups are never destroyed, and building one per fit
+    would leak a pair of them on every fit of a cross-validation."""
+    from tabfm.parallel.mesh import ParallelDims
+
+    return ParallelDims(d0=d0, d1=d1).build(device_type)
 
 
 @functools.lru_cache(maxsize=4)
@@ -122,7 +133,8 @@ def _threaded(method):
 
 _VIEW_LIST = [tuple, list, str]
 _BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _VIEW_LIST,
-                     "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None]}
+                     "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None],
+                     "local_context_rows": [Interval(numbers.Integral, 2, None, closed="left"), None]}
 _BASE_CONSTRAINTS.pop("calibrate")
 
 
@@ -141,6 +153,22 @@ def class_codes(n_classes: int, n_groups: int, n_codes: int, rng: np.random.Gene
     raise RuntimeError(f"could not separate {n_classes} classes with {n_codes} codes of {n_groups} groups")
 
 
+def _padded_chunks(counts: list[int], slack: float = 1.5) -> list[np.ndarray]:
+    """Tables (positions in `counts`, the test rows routed to each) grouped for one padded forward each: largest
+    first, a group grows while its padded rows (size x its largest count) stay within `slack` x its real rows.
+    Tables with no rows are left out."""
+    order = [int(t) for t in np.argsort(-np.asarray(counts), kind="stable") if counts[t] > 0]
+    chunks: list[list[int]] = []
+    for t in order:
+        if chunks:
+            chunk = chunks[-1]
+            if (len(chunk) + 1) * counts[chunk[0]] <= slack * (sum(counts[c] for c in chunk) + counts[t]):
+                chunk.append(t)
+                continue
+        chunks.append([t])
+    return [np.asarray(c, np.int64) for c in chunks]
+
+
 class _TabFMBase(BaseEstimator):
     """What the classifier and the regressor share: input checks, the ensemble, caches, batched prediction."""
 
@@ -153,7 +181,7 @@ class _TabFMBase(BaseEstimator):
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
-                 n_jobs: int | None = None):
+                 n_jobs: int | None = None, local_context_rows: int | None = 256):
         self.n_estimators = n_estimators
         self.numeric_transforms = numeric_transforms
         self.categorical_views = categorical_views
@@ -169,6 +197,7 @@ class _TabFMBase(BaseEstimator):
         self.random_state = random_state
         self.verbose = verbose
         self.n_jobs = n_jobs
+        self.local_context_rows = local_context_rows
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -205,7 +234,7 @@ class _TabFMBase(BaseEstimator):
         self.n_members_ = n_members
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng)
-        self.context_rows_ = self._draw_context_rows(n, rng)
+        self._draw_contexts(cells, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
         if encode:
@@ -216,13 +245,24 @@ class _TabFMBase(BaseEstimator):
         class ids; the regressor's normalised residuals of its linear base)."""
         return y
 
-    def _draw_context_rows(self, n: int, rng: np.random.Generator, limit: int | None = None) -> np.ndarray:
-        """[M, T] the train rows each member's context holds: all of them, or max_context_rows (or `limit`, the
-        smaller) drawn per member."""
+    def _draw_contexts(self, cells: Cells, rng: np.random.Generator, limit: int | None = None) -> None:
+        """The contexts the members are encoded from, as `context_rows_` [U, T] (the train rows of each) and
+        `context_members_` [U] (whose they are). With more than local_context_rows train rows, each member gets
+        its own local contexts of that many rows (tabfm.local_context, kept as `local_`); otherwise one context
+        per member holding every train row, or max_context_rows (or `limit`, the smaller) drawn per member."""
+        n = len(cells.values)
+        if self.local_context_rows is not None and n > self.local_context_rows:
+            self.local_ = LocalContexts.fit(cells, self.n_members_, self.local_context_rows, rng)
+            self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
+            return
+        self.local_ = None
+        self.context_members_ = np.arange(self.n_members_)
         rows = min((r for r in (self.max_context_rows, limit) if r is not None), default=None)
         if rows is not None and n > rows:
-            return np.stack([np.sort(rng.choice(n, rows, replace=False)) for _ in range(self.n_members_)])
-        return np.tile(np.arange(n), (self.n_members_, 1))
+            self.context_rows_ = np.stack([np.sort(rng.choice(n, rows, replace=False))
+                                           for _ in range(self.n_members_)])
+        else:
+            self.context_rows_ = np.tile(np.arange(n), (self.n_members_, 1))
 
     def _model(self) -> TabFM:
         """The fitted `model_`; loaded here (with its mesh under tensor_parallel) when absent: at fit, and once
@@ -234,20 +274,21 @@ class _TabFMBase(BaseEstimator):
                                                        self.sequence_parallel)
         return model
 
-    def _member_values(self, cells: Cells, members: np.ndarray, rows: np.ndarray | None = None) -> dict[str, Any]:
-        """Per-member tensors [g, r, C'] of the given rows (rows[m] per member, or all rows of `cells`); the
-        members of one group show the model the same number of columns (see _member_groups)."""
+    def _unit_values(self, cells: Cells, units: np.ndarray, rows: np.ndarray | None = None) -> dict[str, Any]:
+        """Tensors [g, r, C'] of the contexts `units` (indices into context_rows_), each through its member's view:
+        of the rows rows[i] of `cells` for units[i] (rows [g, r]), or of all rows of `cells`. The contexts of one
+        group show the model the same number of columns (see _context_groups)."""
         scaled: dict[str, np.ndarray] = {}
         views = []
-        for m in members:
-            member: Member = self.members_[m]
-            sub = cells if rows is None else cells.take(rows[m])
-            if rows is not None:
-                views.append(member_cells(self.preprocessor_, sub, member))
-                continue
-            if member.numeric not in scaled:
+        for i, u in enumerate(units):
+            member: Member = self.members_[self.context_members_[u]]
+            if member.numeric not in scaled:  # every transform is row by row: scale all rows once, then take
                 scaled[member.numeric] = self.preprocessor_.scale(cells, member.numeric)
-            views.append(member_cells(self.preprocessor_, sub, member, scaled[member.numeric]))
+            if rows is None:
+                views.append(member_cells(self.preprocessor_, cells, member, scaled[member.numeric]))
+            else:
+                views.append(member_cells(self.preprocessor_, cells.take(rows[i]), member,
+                                          scaled[member.numeric][rows[i]]))
         values = torch.from_numpy(np.stack([v.values for v in views]))
         cat_codes = torch.from_numpy(np.stack([v.codes for v in views]))
         is_cat = torch.from_numpy(np.stack([v.is_cat for v in views]))
@@ -265,12 +306,14 @@ class _TabFMBase(BaseEstimator):
                      row_pad=torch.zeros(g, r, dtype=torch.bool), col_pad=torch.zeros(g, C, dtype=torch.bool),
                      task=self._task).to(self.device_)
 
-    def _member_groups(self) -> list[np.ndarray]:
-        """Members that share a forward: the same number of columns shown, at most CONTEXT_CELL_BUDGET train
-        cells together."""
+    def _context_groups(self) -> list[np.ndarray]:
+        """Contexts (indices into context_rows_) that share a forward: the same number of columns shown, at most
+        CONTEXT_CELL_BUDGET train cells together."""
         cells = self.train_cells_
         max_columns = self.preprocessor_.max_columns
-        widths = np.array([member_width(mem, cells.is_cat, cells.n_cats, max_columns) for mem in self.members_])
+        member_widths = np.array([member_width(mem, cells.is_cat, cells.n_cats, max_columns)
+                                  for mem in self.members_])
+        widths = member_widths[self.context_members_]
         groups = []
         for width in np.unique(widths):
             same = np.flatnonzero(widths == width)
@@ -281,12 +324,12 @@ class _TabFMBase(BaseEstimator):
     def _encode_contexts(self) -> None:
         model = self._model()
         contexts: list[tuple[np.ndarray, Context]] = []
-        for members in self._member_groups():
-            parts = self._member_values(self.train_cells_, members, self.context_rows_)
-            labels = torch.from_numpy(np.stack([self._member_labels(m, self.y_train_[self.context_rows_[m]])
-                                                for m in members]))
+        for units in self._context_groups():
+            parts = self._unit_values(self.train_cells_, units, self.context_rows_[units])
+            labels = torch.from_numpy(np.stack([
+                self._member_labels(self.context_members_[u], self.y_train_[self.context_rows_[u]]) for u in units]))
             batch = self._batch(parts, labels, self.context_rows_.shape[1], self._n_outputs())
-            contexts.append((members, encode_context(model, batch)))
+            contexts.append((units, encode_context(model, batch)))
         self.contexts_ = contexts
         self._contexts_encoded()
 
@@ -304,7 +347,8 @@ class _TabFMBase(BaseEstimator):
 
     def _cell_outputs(self, cells: Cells, finalize=None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
-        probabilities), or finalize(outputs of each test batch) concatenated over the batches."""
+        probabilities), or finalize(outputs, contexts) of each test batch concatenated over the batches, where
+        contexts [M, rows] says which context (index into context_rows_) each member predicted each row from."""
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
         model = self._model()
@@ -315,20 +359,44 @@ class _TabFMBase(BaseEstimator):
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
             sub = cells.take(slice(start, start + self.batch_size))
-            out = None
-            for members, context in self.contexts_:
-                parts = self._member_values(sub, members)
-                labels = torch.full(parts["values"].shape[:2], IGNORE_LABEL if self._task == "classification" else 0)
-                if self._task == "regression":
-                    labels = labels.to(self.dtype_)
-                batch = self._batch(parts, labels, 0, self._n_outputs())
-                logits = predict_logits(model, context, batch).double()  # decoded in float64 whatever the model's dtype
-                res = self._decode_member(model, context, logits).cpu().numpy()
-                if out is None:
-                    out = np.empty((self.n_members_, len(sub.values), res.shape[-1]), np.float64)
-                out[members] = res
-            results.append(out if finalize is None else finalize(out))
+            out, units = self._batch_outputs(model, sub)
+            results.append(out if finalize is None else finalize(out, units))
         return np.concatenate(results, axis=0 if finalize is not None else 1)
+
+    def _batch_outputs(self, model: TabFM, cells: Cells) -> tuple[np.ndarray, np.ndarray]:
+        """(outputs [M, n, Y], contexts [M, n]) of one test batch: every row against each member's one context,
+        or with local contexts against the context each member routes it to (tabfm.local_context)."""
+        n = len(cells.values)
+        route = None if self.local_ is None else self.local_.route(cells)  # [M, n]
+        units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
+        out = None
+        for units, context in self.contexts_:
+            if route is None:
+                res = self._context_outputs(model, context, self._unit_values(cells, units))
+                if out is None:
+                    out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
+                out[self.context_members_[units]] = res
+                continue
+            rows = [np.flatnonzero(route[self.context_members_[u]] == u) for u in units]
+            for tables in _padded_chunks([len(r) for r in rows]):
+                width = max(len(rows[t]) for t in tables)
+                padded = np.stack([np.resize(rows[t], width) for t in tables])  # repeats: harmless extra queries
+                sliced = context if len(tables) == len(units) else context.select(torch.as_tensor(tables))
+                res = self._context_outputs(model, sliced, self._unit_values(cells, units[tables], padded))
+                if out is None:
+                    out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
+                for j, t in enumerate(tables):
+                    out[self.context_members_[units[t]], rows[t]] = res[j, :len(rows[t])]
+        return out, units_of
+
+    def _context_outputs(self, model: TabFM, context: Context, parts: dict[str, Any]) -> np.ndarray:
+        """Decoded outputs [g, r, Y] of test rows `parts` (every row a test row) against the g tables of `context`."""
+        labels = torch.full(parts["values"].shape[:2], IGNORE_LABEL if self._task == "classification" else 0)
+        if self._task == "regression":
+            labels = labels.to(self.dtype_)
+        batch = self._batch(parts, labels, 0, self._n_outputs())
+        logits = predict_logits(model, context, batch).double()  # decoded in float64 whatever the model's dtype
+        return self._decode_member(model, context, logits).cpu().numpy()
 
     _UNSTORED = ("model_",)
     """Fitted attributes that pickling and `save` leave out: the model (and its mesh) is rebuilt from the
@@ -379,7 +447,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     categorical_features : "auto" or list of int or str, default="auto"
         Columns to treat as categorical besides strings, booleans and categorical dtypes.
     max_context_rows : int or None, default=None
-        Subsample the train rows per member; None: all of them.
+        Subsample the train rows per member; None: all of them (ignored where local contexts are used).
     batch_size : int, default=1024
         Test rows per forward; bounds predict's memory.
     device : {"cpu", "cuda", "auto"}, default="cpu"
@@ -394,6 +462,12 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     n_jobs : int or None, default=None
         Torch (and BLAS) threads during fit and predict, restored after; -1: every core; None: torch's setting.
         On a busy machine, or under joblib parallelism, 1 is often fastest.
+    local_context_rows : int or None, default=256
+        With more train rows than this, each member is shown local contexts: overlapping neighbourhoods of this
+        many train rows around its own anchors, each test row predicted from the one that holds most of its
+        nearest train rows (tabfm.local_context). The shipped model was pretrained on tables of up to 256 rows and
+        reads short contexts of near rows better than one long one; the cost then grows linearly in the train
+        rows. None: one context of all train rows per member.
     average : {"probability", "logit"}, default="probability"
         Average the members' class probabilities, or their log-probabilities (a geometric mean, renormalised).
     softmax_temperature : float, default=1.0
@@ -419,14 +493,14 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
-                 n_jobs: int | None = None, average: str = "probability", softmax_temperature: float = 1.0,
-                 calibrate: bool = True, linear_blend: bool = True):
+                 n_jobs: int | None = None, local_context_rows: int | None = 256, average: str = "probability",
+                 softmax_temperature: float = 1.0, calibrate: bool = True, linear_blend: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
                          batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
                          sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
-                         n_jobs=n_jobs)
+                         n_jobs=n_jobs, local_context_rows=local_context_rows)
         self.average = average
         self.softmax_temperature = softmax_temperature
         self.calibrate = calibrate
@@ -485,7 +559,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe.context_rows_ = probe._draw_context_rows(len(keep), rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
+        probe._draw_contexts(probe.train_cells_, rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
         held_cells = self.train_cells_.take(held)
         logp = probe._cell_outputs(held_cells)
@@ -535,7 +609,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
         cells = self._cells_of(X)
-        return self._blend(self._cell_outputs(cells, lambda logp: self._combine(logp, self.temperature_)), cells)
+        return self._blend(self._cell_outputs(cells, lambda logp, _: self._combine(logp, self.temperature_)), cells)
 
     def predict_log_proba(self, X: Any) -> np.ndarray:
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))

@@ -328,6 +328,23 @@ class Context:
         """Memory held by the cached keys/values (this rank's share)."""
         return sum(c.nbytes() for c in self.caches)
 
+    def select(self, tables: torch.Tensor) -> Context:
+        """The context of some of its tables (indices [b] into its B tables), caches included: every cached tensor
+        holds the tables in its first dimension."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, tables.to(t.device))
+
+        caches = []
+        for cache in self.caches:
+            part = KVCache()
+            part.k, part.v, part.recording = take(cache.k), take(cache.v), False
+            caches.append(part)
+        return Context(task=self.task, n_train=self.n_train, num_columns=self.num_columns,
+                       n_classes=take(self.n_classes), cell_stats=(take(self.cell_stats[0]), take(self.cell_stats[1])),
+                       target_stats=None if self.target_stats is None else (take(self.target_stats[0]),
+                                                                             take(self.target_stats[1])),
+                       caches=caches)
+
     def check_batch(self, batch: Batch) -> None:
         """Raise ValueError unless `batch` holds test rows of this context's tables (same tables, columns, task)."""
         B, _, C = batch.values.shape

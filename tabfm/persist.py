@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: contexts per member may be local (context_members_, local_); version 1 files are refused."""
 META_FILE = "estimator.json"
 ARRAYS_FILE = "arrays.safetensors"
 
@@ -45,6 +46,7 @@ def _whitelist() -> dict[str, type]:
     from tabfm.blocks import KVCache
     from tabfm.ensemble import Member
     from tabfm.linear_base import LinearBase, LinearDesign, LogisticModel
+    from tabfm.local_context import LocalContexts
     from tabfm.model import Context
     from tabfm.preprocess import Cells, Column, TablePreprocessor
     from tabfm.target_transform import TargetScale, TargetTransform
@@ -55,7 +57,7 @@ def _whitelist() -> dict[str, type]:
                "sklearn.preprocessing.PowerTransformer": PowerTransformer,
                "sklearn.pipeline.Pipeline": Pipeline}
     for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform,
-                LinearBase, LinearDesign, LogisticModel):
+                LinearBase, LinearDesign, LogisticModel, LocalContexts):
         classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return classes
 

@@ -49,14 +49,14 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
-                 n_jobs: int | None = None, target_transforms: tuple[str, ...] = ("none", "power"),
-                 linear_base: bool = True):
+                 n_jobs: int | None = None, local_context_rows: int | None = 256,
+                 target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
                          batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
                          sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
-                         n_jobs=n_jobs)
+                         n_jobs=n_jobs, local_context_rows=local_context_rows)
         self.target_transforms = target_transforms
         self.linear_base = linear_base
 
@@ -116,24 +116,26 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         return logits.softmax(-1)  # bin probabilities [g, n, num_bins]
 
     def _contexts_encoded(self) -> None:
-        """Each member's bins in target units: the model's bin edges over its standardised labels, through the
-        member's train-label statistics (as the model computed them), its target map and the float64 scale."""
+        """Each context's bins in target units: the model's bin edges over its standardised labels, through the
+        context's train-label statistics (as the model computed them), its member's target map and the float64
+        scale: bin_points_y_ [U, nb, S] and bin_edges_y_ [U, nb * S + 1]."""
         model = self._model()
         edges = model.bin_edges().double().cpu().numpy()
-        stats = np.empty((self.n_members_, 2))
-        for members, context in self.contexts_:
+        stats = np.empty((len(self.context_rows_), 2))
+        for units, context in self.contexts_:
             mean, std = context.target_stats
-            stats[members, 0] = mean.double().cpu().numpy()[:, 0]
-            stats[members, 1] = std.double().cpu().numpy()[:, 0]
+            stats[units, 0] = mean.double().cpu().numpy()[:, 0]
+            stats[units, 1] = std.double().cpu().numpy()[:, 0]
         points, edges_y = [], []
-        for m in range(self.n_members_):
-            to_y = lambda z, m=m: self.target_scale_.inverse(self.target_maps_[m].inverse(z * stats[m, 1] + stats[m, 0]))  # noqa: E731
+        for u, m in enumerate(self.context_members_):
+            to_y = lambda z, u=u, m=m: self.target_scale_.inverse(self.target_maps_[m].inverse(z * stats[u, 1] + stats[u, 0]))  # noqa: E731
             points.append(to_y(bin_points(edges)))
             edges_y.append(np.maximum.accumulate(to_y(sub_edges(edges))))
-        self.bin_points_y_, self.bin_edges_y_ = np.stack(points), edges_y
+        self.bin_points_y_, self.bin_edges_y_ = np.stack(points), np.stack(edges_y)
 
-    def _mean_of(self, probs: np.ndarray) -> np.ndarray:
-        return np.mean([mapped_mean(probs[m], self.bin_points_y_[m]) for m in range(self.n_members_)], axis=0)
+    def _mean_of(self, probs: np.ndarray, units: np.ndarray) -> np.ndarray:
+        """The ensemble's mean [n] from the members' bin probabilities [M, n, nb] and their rows' contexts [M, n]."""
+        return np.mean([mapped_mean(probs[m], self.bin_points_y_[units[m]]) for m in range(self.n_members_)], axis=0)
 
     @_threaded
     def predict(self, X: Any) -> np.ndarray:
@@ -150,5 +152,6 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         cells = self._cells_of(X)
-        out = self._cell_outputs(cells, lambda probs: mixture_quantiles(list(probs), self.bin_edges_y_, q))
+        out = self._cell_outputs(cells, lambda probs, units: mixture_quantiles(
+            list(probs), [self.bin_edges_y_[u] for u in units], q))
         return out + self._offset(cells)[:, None]

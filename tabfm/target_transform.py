@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 TARGET_TRANSFORMS = ("none", "power", "quantile")
 SUBPOINTS = 8
@@ -115,32 +116,37 @@ def sub_edges(edges: np.ndarray, subpoints: int = SUBPOINTS) -> np.ndarray:
 
 def mapped_mean(probs: np.ndarray, points_y: np.ndarray) -> np.ndarray:
     """Mean in target units [n] of a binned distribution probs [n, nb] whose bins' points map to points_y
-    [nb, S] (uniform density inside a bin)."""
-    return probs @ points_y.mean(1)
+    ([nb, S] for every row, or [n, nb, S] per row; uniform density inside a bin)."""
+    return (probs * points_y.mean(-1)).sum(-1)
 
 
 def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.ndarray) -> np.ndarray:
     """Quantiles [n, Q] of the equal-weight mixture of the members' binned distributions.
 
-    probs[m] [n, nb]: member m's bin probabilities; edges_y[m] [nb * S + 1]: the member's sub-bin edges mapped to
-    target units (monotone). Each member's CDF is linear between its mapped sub-edges; the mixture's CDF is
-    evaluated on the union of all members' edges and inverted by linear interpolation."""
-    grid = np.unique(np.concatenate(edges_y))
+    probs[m] [n, nb]: member m's bin probabilities; edges_y[m]: the member's sub-bin edges mapped to target units
+    (monotone), [nb * S + 1] shared by all rows or [n, nb * S + 1] per row (a member whose rows came from
+    different contexts). Each member's CDF is linear between its mapped sub-edges; the mixture's CDF is evaluated
+    on the union of all members' edges and inverted by linear interpolation."""
     n = probs[0].shape[0]
-    cdf = np.zeros((n, len(grid)))
-    for p, e in zip(probs, edges_y, strict=True):
-        S = (len(e) - 1) // p.shape[1]
-        sub = np.repeat(p / S, S, axis=1)                                   # [n, nb * S]
-        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(sub, 1)], 1)      # [n, nb * S + 1] at edges e
-        idx = np.clip(np.searchsorted(e, grid, side="right") - 1, 0, len(e) - 2)
-        width = np.maximum(e[idx + 1] - e[idx], 1e-300)
-        frac = np.clip((grid - e[idx]) / width, 0, 1)
-        cdf += cum[:, idx] + (cum[:, idx + 1] - cum[:, idx]) * frac
+    edges = [np.broadcast_to(e, (n, np.shape(e)[-1])) for e in edges_y]
+    grid = np.sort(np.concatenate(edges, axis=1), axis=1)                  # [n, G]
+    cdf = np.zeros_like(grid)
+    rows = np.arange(n)[:, None]
+    for p, e in zip(probs, edges, strict=True):
+        S = (e.shape[1] - 1) // p.shape[1]
+        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(np.repeat(p / S, S, axis=1), 1)], 1)  # at edges e
+        idx = torch.searchsorted(torch.tensor(e), torch.from_numpy(grid), right=True)
+        idx = np.clip(idx.numpy() - 1, 0, e.shape[1] - 2)
+        lo, hi = e[rows, idx], e[rows, idx + 1]
+        frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
+        cdf += cum[rows, idx] + (cum[rows, idx + 1] - cum[rows, idx]) * frac
     cdf /= len(probs)
     out = np.empty((n, len(q)))
     for j, qj in enumerate(np.asarray(q, np.float64)):
-        k = np.clip((cdf < qj).sum(1), 1, len(grid) - 1)                   # first grid point with cdf >= q
-        c0, c1 = cdf[np.arange(n), k - 1], cdf[np.arange(n), k]
+        k = np.clip((cdf < qj).sum(1), 1, grid.shape[1] - 1)[:, None]      # first grid point with cdf >= q
+        c0, c1 = np.take_along_axis(cdf, k - 1, 1), np.take_along_axis(cdf, k, 1)
+        g0, g1 = np.take_along_axis(grid, k - 1, 1), np.take_along_axis(grid, k, 1)
         frac = np.clip((qj - c0) / np.maximum(c1 - c0, 1e-300), 0, 1)
-        out[:, j] = grid[k - 1] + frac * (grid[k] - grid[k - 1])
+        out[:, j] = (g0 + frac * (g1 - g0))[:, 0]
     return out
+

@@ -126,6 +126,26 @@ def test_binned_distribution_maps_back_exactly_for_the_identity():
     assert np.allclose(q, [[-4 / 9], [-4 / 9]], atol=1e-12)
 
 
+def test_mixture_quantiles_with_edges_per_row_equal_each_row_alone():
+    """Members whose rows came from different contexts carry edges per row: each row's quantiles are those of its
+    own members' edges, as if it were predicted alone."""
+    rng = np.random.default_rng(0)
+    edges = np.linspace(-4, 4, 9)
+    probs = [rng.dirichlet(np.ones(8), size=3) for _ in range(2)]
+    per_row = [np.stack([sub_edges(edges) * s + o for s, o in ((1, 0), (2, 1), (0.5, -3))]),
+               np.stack([sub_edges(edges) * s + o for s, o in ((3, 2), (1, 0), (1, 5))])]
+    q = np.array([0.1, 0.5, 0.9])
+    together = mixture_quantiles(probs, per_row, q)
+    for i in range(3):
+        alone = mixture_quantiles([p[i:i + 1] for p in probs], [e[i] for e in per_row], q)
+        np.testing.assert_allclose(together[i], alone[0], rtol=1e-12, atol=1e-12)
+    shared = mixture_quantiles(probs, [sub_edges(edges)] * 2, q)  # edges for all rows, 1-D
+    np.testing.assert_allclose(mixture_quantiles(probs, [np.tile(sub_edges(edges), (3, 1))] * 2, q), shared,
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mapped_mean(probs[0], np.stack([bin_points(edges)] * 3)),
+                               mapped_mean(probs[0], bin_points(edges)), rtol=1e-12)
+
+
 def test_regressor_handles_extreme_target_scales_and_gives_quantiles():
     from tabfm.estimator import TabFMRegressor
 

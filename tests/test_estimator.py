@@ -29,9 +29,12 @@ def _expected_failures(est) -> dict[str, str]:
 # The regressors keep their default 4 members: check_regressors_train rounds X to integers (the tags accept
 # categorical input) and wants a training R^2 above 0.5, which the shipped model reaches with 4 members (0.67)
 # but not with 2 (0.48).
+# The last two run the checks through local contexts (tables of more than 24 train rows are split).
 @parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(),
                           TabFMClassifier(n_estimators=2, dtype="float64"),
-                          TabFMRegressor(dtype="float64")],
+                          TabFMRegressor(dtype="float64"),
+                          TabFMClassifier(n_estimators=2, dtype="float64", local_context_rows=24),
+                          TabFMRegressor(dtype="float64", local_context_rows=24)],
                          expected_failed_checks=_expected_failures)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
@@ -238,9 +241,10 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
     loaded (and parallelized) and a mesh built, the predictions before and after, and whether pickling kept the
     model."""
     import tabfm.checkpoint
+    from tabfm.parallel.mesh import ParallelDims
 
-    calls = {"load": 0, "mesh": 0}
-    real_load, real_mesh = tabfm.checkpoint.load_model, estimator._mesh
+    calls = {"load": 0, "mesh": 0, "built": 0}
+    real_load, real_mesh, real_build = tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build
 
     def load(*a, **k):
         calls["load"] += 1
@@ -250,7 +254,12 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
         calls["mesh"] += 1
         return real_mesh(*a, **k)
 
-    tabfm.checkpoint.load_model, estimator._mesh = load, mesh
+    def build(*a, **k):
+        calls["built"] += 1
+        return real_build(*a, **k)
+
+    estimator._layout_mesh.cache_clear()
+    tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build = load, mesh, build
     try:
         df, y = mixed_frame(90, seed=2)
         clf = TabFMClassifier(n_estimators=2, dtype="float64", tensor_parallel=(d0, d1)).fit(df[:60], y[:60])
@@ -262,12 +271,13 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
         after = restored.predict_proba(df[60:])  # rebuilds model_ (and its mesh) once
         return {"fit_load": fitted["load"], "fit_mesh": fitted["mesh"], **calls}, before, after, kept
     finally:
-        tabfm.checkpoint.load_model, estimator._mesh = real_load, real_mesh
+        tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build = real_load, real_mesh, real_build
 
 
 def test_tensor_parallel_fit_loads_the_checkpoint_once(ranks):
     for calls, before, after, kept in ranks(2).run(_tensor_parallel_fit_calls, 2, 1):
-        assert calls == {"fit_load": 1, "fit_mesh": 1, "load": 2, "mesh": 2}
+        # the restored estimator loads the model again but reuses the layout's mesh (its process groups)
+        assert calls == {"fit_load": 1, "fit_mesh": 1, "load": 2, "mesh": 2, "built": 1}
         assert not kept
         np.testing.assert_array_equal(after, before)
 

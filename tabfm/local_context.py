@@ -1,0 +1,182 @@
+"""Local contexts: a table with many train rows is shown to the model as overlapping neighbourhoods of them.
+
+Why: the shipped model was pretrained on tables of at most 256 rows (1,024 in its last legs). Given a longer
+context it averages over rows far from the one it predicts and behaves like a smooth, global fit; given the
+train rows nearest a test row it fits the local structure that trees find (retrieval as in LoCalPFN, Thomas et
+al. 2024). One context per test row could not be cached, so each ensemble member instead draws its own anchors
+(the centres of a short k-means over a distance space of the columns). A train row's home is its nearest anchor;
+an anchor's context is its home rows and then the next nearest rows, `rows` in all, so about OVERLAP contexts
+hold each train row. Those contexts are encoded once at fit like any other; a test row is predicted, per member,
+from the context that is home to most of its ROUTE_NEIGHBOURS nearest train rows.
+Members draw different anchors, so a row near the edge of one member's context is inside another's, and the
+ensemble's average smooths the edges.
+
+Cost: encoding is about OVERLAP x train rows x `rows` per attention over rows instead of train rows squared, and
+a test row reads `rows` keys instead of all train rows: linear in the train rows.
+
+Distance space (LocalContexts.space): numeric columns divided by their train peak, then standardised; a
+categorical column of at most ONEHOT_CATEGORIES categories one-hot, scaled so that two categories are one unit
+apart, a wider one its code standardised; missing cells sit at the column's centre.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tabfm.preprocess import Cells
+
+OVERLAP = 2.0
+"""Contexts per member x their rows / train rows: about how many of a member's contexts hold each train row."""
+ROUTE_NEIGHBOURS = 16
+"""A test row goes to the context that is home to most of this many of its nearest train rows."""
+ANCHOR_SAMPLE = 10_000
+"""Most train rows the anchors' k-means runs on (its cost grows with rows x anchors)."""
+KMEANS_ITERATIONS = 10
+"""Lloyd iterations of the anchors' k-means: enough to balance the cells, not to converge."""
+ONEHOT_CATEGORIES = 10
+"""Categorical columns of at most this many categories are one-hot in the distance space."""
+_DISTANCE_CELLS = 1 << 24
+"""Most entries of one block of pairwise distances (bounds the memory of a nearest-row search)."""
+
+
+def _space_columns(cells: Cells) -> list[tuple[int, int]]:
+    """(column, one-hot width or 0) of each column of the distance space."""
+    return [(c, int(cells.n_cats[c]) if cells.is_cat[c] and cells.n_cats[c] <= ONEHOT_CATEGORIES else 0)
+            for c in range(cells.values.shape[1])]
+
+
+def _raw_space(cells: Cells) -> np.ndarray:
+    """[n, D] float64 before centring: numeric values, category codes (NaN where missing), one-hot blocks."""
+    blocks = []
+    for c, width in _space_columns(cells):
+        if width:
+            code = cells.codes[:, c]
+            blocks.append((code[:, None] == np.arange(width)[None]).astype(np.float64) / math.sqrt(2))
+        elif cells.is_cat[c]:
+            code = cells.codes[:, c].astype(np.float64)
+            blocks.append(np.where(code < 0, np.nan, code)[:, None])
+        else:
+            blocks.append(cells.values[:, c, None])
+    return np.concatenate(blocks, 1)
+
+
+def _nearest(queries: torch.Tensor, points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(squared distances, indices) [q, k] of the k points nearest each query, nearest first."""
+    out_d, out_i = [], []
+    step = max(1, _DISTANCE_CELLS // max(len(points), 1))
+    norms = points.square().sum(1)
+    for start in range(0, len(queries), step):
+        q = queries[start:start + step]
+        d = (q.square().sum(1, keepdim=True) + norms[None] - 2 * q @ points.T).clamp_min(0)
+        dist, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
+        out_d.append(dist)
+        out_i.append(idx)
+    return torch.cat(out_d), torch.cat(out_i)
+
+
+@dataclass
+class LocalContexts:
+    """Each member's local contexts over the train rows, and how rows are routed to them (module docstring)."""
+
+    peak: np.ndarray
+    """[D] largest train magnitude of each distance-space column (values are divided by it first)."""
+    center: np.ndarray
+    """[D] train mean of each column after the peak division."""
+    scale: np.ndarray
+    """[D] train deviation of each column after the peak division (1 where constant)."""
+    points: np.ndarray
+    """[n, D] float32: the train rows in the distance space."""
+    rows: np.ndarray
+    """[U, k] int64: the train rows of each context, sorted (U = all members' contexts)."""
+    members: np.ndarray
+    """[U] int64: the member each context belongs to (a member's contexts are consecutive)."""
+    home: np.ndarray
+    """[M, n] int64: per member, the context whose anchor is nearest each train row."""
+
+    @classmethod
+    def fit(cls, cells: Cells, n_members: int, rows: int, rng: np.random.Generator) -> LocalContexts:
+        """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
+        `rows` of them)."""
+        raw = _raw_space(cells)
+        peak = np.nanmax(np.abs(raw), axis=0, initial=0.0)
+        peak = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
+        unit = raw / peak
+        center = np.nan_to_num(np.nanmean(unit, 0), nan=0.0) if len(unit) else np.zeros(unit.shape[1])
+        with np.errstate(invalid="ignore"):
+            spread = np.nan_to_num(np.nanstd(unit, 0), nan=0.0)
+        scale = np.where(spread > 0, spread, 1.0)
+        state = cls(peak, center, scale, np.empty((0, unit.shape[1]), np.float32), np.empty((0, rows), np.int64),
+                    np.empty(0, np.int64), np.empty((n_members, 0), np.int64))
+        state.points = state.space(cells)
+        points = torch.from_numpy(state.points)
+        n = len(points)
+        all_rows, all_members, homes = [], [], []
+        for m in range(n_members):
+            anchors = _anchors(points, rows, rng)
+            member_rows, home = _contexts(points, anchors, rows, offset=sum(len(r) for r in all_rows))
+            all_rows.append(member_rows)
+            all_members.append(np.full(len(member_rows), m, np.int64))
+            homes.append(home)
+        state.rows = np.concatenate(all_rows)
+        state.members = np.concatenate(all_members)
+        state.home = np.stack(homes) if homes else np.empty((0, n), np.int64)
+        return state
+
+    def space(self, cells: Cells) -> np.ndarray:
+        """[n, D] float32: rows in the distance space (missing cells at the centre, 0)."""
+        z = (_raw_space(cells) / self.peak - self.center) / self.scale
+        return np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0).astype(np.float32)
+
+    def route(self, cells: Cells) -> np.ndarray:
+        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from."""
+        points = torch.from_numpy(self.points)
+        k = min(ROUTE_NEIGHBOURS, len(points))
+        _, near = _nearest(torch.from_numpy(self.space(cells)), points, k)
+        near = near.numpy()                                                     # [n, k], nearest first
+        weight = 1.0 + 1e-3 * (k - np.arange(k))                               # ties go to the nearer rows' home
+        out = np.empty((len(self.home), len(near)), np.int64)
+        for m, home in enumerate(self.home):
+            first = int(np.flatnonzero(self.members == m)[0])
+            local = home[near] - first                                          # [n, k] this member's contexts
+            votes = np.zeros((len(near), int((self.members == m).sum())))
+            np.add.at(votes, (np.arange(len(near))[:, None], local), weight[None])
+            out[m] = first + votes.argmax(1)
+        return out
+
+
+def _anchors(points: torch.Tensor, rows: int, rng: np.random.Generator) -> torch.Tensor:
+    """[A, D] anchors, A = ceil(OVERLAP x n / rows): the centres of a short k-means over (a sample of) the train
+    rows, so that each anchor's cell of nearest rows holds about n / A of them."""
+    from sklearn.cluster import KMeans
+
+    n = len(points)
+    count = min(n, math.ceil(OVERLAP * n / rows))
+    pool = points.numpy().astype(np.float64)
+    if n > ANCHOR_SAMPLE:
+        pool = pool[np.sort(rng.choice(n, ANCHOR_SAMPLE, replace=False))]
+    kmeans = KMeans(count, n_init=1, max_iter=KMEANS_ITERATIONS, random_state=int(rng.integers(2**31 - 1)))
+    return torch.from_numpy(kmeans.fit(pool).cluster_centers_.astype(np.float32))
+
+
+def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """([A, rows] sorted train rows of each anchor's context, [n] home context of each train row + offset).
+
+    A row's home is its nearest anchor; an anchor's context is its home rows (the nearest `rows` of them if it has
+    more), then the nearest other rows up to `rows`."""
+    n = len(points)
+    _, nearest_anchor = _nearest(points, anchors, 1)
+    home = nearest_anchor[:, 0]                                                 # [n]
+    far = float(points.square().sum(1).max()) * 4 + 1.0                        # farther than any real distance
+    out = []
+    norms = points.square().sum(1)
+    step = max(1, _DISTANCE_CELLS // max(n, 1))
+    for start in range(0, len(anchors), step):
+        a = anchors[start:start + step]
+        d = (a.square().sum(1, keepdim=True) + norms[None] - 2 * a @ points.T).clamp_min(0)
+        d = d + far * (home[None] != torch.arange(start, start + len(a))[:, None])  # home rows first
+        out.append(torch.topk(d, rows, dim=1, largest=False).indices)
+    return np.sort(torch.cat(out).numpy(), 1).astype(np.int64), home.numpy().astype(np.int64) + offset

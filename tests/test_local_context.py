@@ -1,0 +1,160 @@
+"""Local contexts (tabfm.local_context): how they are drawn and routed, and that an estimator using them predicts
+each test row from its routed context exactly, independently of the other test rows, saved and loaded, and on a
+tensor-parallel mesh as in one process."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from builders import mixed_frame
+
+from tabfm.data.encode import IGNORE_LABEL
+from tabfm.estimator import TabFMClassifier, TabFMRegressor, _padded_chunks
+from tabfm.local_context import OVERLAP, LocalContexts
+from tabfm.preprocess import TablePreprocessor
+
+
+def _cells(X):
+    import pandas as pd
+
+    frame = pd.DataFrame(X, columns=[f"x{i}" for i in range(X.shape[1])])
+    return TablePreprocessor().fit(frame).transform(frame)
+
+
+def test_each_member_gets_overlapping_contexts_that_hold_every_train_row():
+    rng = np.random.default_rng(0)
+    cells = _cells(rng.normal(size=(500, 3)))
+    local = LocalContexts.fit(cells, n_members=3, rows=64, rng=rng)
+    per_member = math.ceil(OVERLAP * 500 / 64)
+    assert local.rows.shape == (3 * per_member, 64)
+    assert list(local.members) == [m for m in range(3) for _ in range(per_member)]  # consecutive per member
+    assert all(len(np.unique(r)) == 64 and np.all(np.diff(r) > 0) for r in local.rows)  # sorted, no repeats
+    assert local.home.shape == (3, 500)
+    for m in range(3):
+        assert np.all(local.members[local.home[m]] == m)
+        # every train row is in its home context, so no row is lost to the model
+        assert all(r in local.rows[local.home[m, r]] for r in range(500))
+    assert not np.array_equal(local.rows[:per_member], local.rows[per_member:2 * per_member])  # own anchors
+
+
+def test_rows_are_routed_to_contexts_of_their_own_neighbourhood():
+    rng = np.random.default_rng(1)
+    blobs = np.concatenate([rng.normal(size=(200, 2)), rng.normal(size=(200, 2)) + 50])  # far apart
+    cells = _cells(blobs)
+    local = LocalContexts.fit(cells, n_members=2, rows=48, rng=rng)
+    route = local.route(cells)  # the train rows themselves, as test rows
+    far_side = np.arange(400) >= 200
+    for m in range(2):
+        in_far = (local.rows[route[m]] >= 200).all(1)
+        in_near = (local.rows[route[m]] < 200).all(1)
+        assert np.array_equal(in_far, far_side) and np.array_equal(in_near, ~far_side)
+
+
+def test_padded_chunks_cover_every_routed_table_once_within_the_slack():
+    counts = [10, 0, 9, 1, 5, 5, 40, 2]
+    chunks = _padded_chunks(counts)
+    flat = np.concatenate(chunks)
+    assert sorted(flat.tolist()) == [t for t, c in enumerate(counts) if c > 0]
+    for chunk in chunks:
+        real = sum(counts[t] for t in chunk)
+        assert len(chunk) == 1 or len(chunk) * max(counts[t] for t in chunk) <= 1.5 * real
+
+
+def _table(n, seed=0):
+    df, y = mixed_frame(n, seed=seed)
+    return df, y, df["x"].to_numpy() * 2 + (y == "yes") + df["noise"].to_numpy() / 100
+
+
+@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
+def test_each_test_row_is_predicted_from_its_routed_context(Est):
+    """One member, float64: the estimator's output for a test row is the model run on the train rows of the
+    context the row is routed to, followed by that row (no cache)."""
+    df, y, target = _table(160, seed=3)
+    labels = y if Est is TabFMClassifier else target
+    kwargs = dict(calibrate=False, linear_blend=False) if Est is TabFMClassifier else dict(linear_base=False)
+    est = Est(n_estimators=1, local_context_rows=40, dtype="float64", **kwargs).fit(df[:120], labels[:120])
+    assert est.local_ is not None and len(est.context_rows_) == math.ceil(OVERLAP * 120 / 40)
+    test_cells = est._cells_of(df[120:])
+    route = est.local_.route(test_cells)[0]
+    got = est.predict_proba(df[120:]) if Est is TabFMClassifier else est.predict(df[120:])
+    model = est._model()
+    for i in range(0, 40, 7):
+        u = int(route[i])
+        train = est._unit_values(est.train_cells_, np.array([u]), est.context_rows_[[u]])
+        row = est._unit_values(test_cells, np.array([u]), np.array([[i]]))
+        parts = {k: torch.cat([train[k], row[k]], 1) if train[k].dim() == 3 else train[k] for k in train}
+        y_ctx = est._member_labels(0, est.y_train_[est.context_rows_[u]])
+        if Est is TabFMClassifier:
+            lab = torch.cat([torch.from_numpy(y_ctx), torch.tensor([IGNORE_LABEL])])[None]
+        else:
+            lab = torch.cat([torch.from_numpy(y_ctx), torch.zeros(1, dtype=torch.float64)])[None]
+        batch = est._batch(parts, lab, 40, est._n_outputs())
+        with torch.no_grad():
+            logits = model(batch)[0, -1].double()
+        if Est is TabFMClassifier:
+            want = logits[:est.n_groups_].softmax(-1).numpy()
+            np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-10)
+        else:
+            want = logits.softmax(-1).numpy() @ est.bin_points_y_[u].mean(-1)
+            np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
+def test_local_predictions_do_not_depend_on_the_other_test_rows(Est):
+    df, y, target = _table(200, seed=5)
+    labels = y if Est is TabFMClassifier else target
+    est = Est(n_estimators=3, local_context_rows=50, dtype="float64").fit(df[:150], labels[:150])
+    predict = est.predict_proba if Est is TabFMClassifier else est.predict
+    whole = predict(df[150:])
+    perm = np.random.default_rng(0).permutation(50)
+    np.testing.assert_allclose(predict(df[150:].iloc[perm]), whole[perm], rtol=1e-12, atol=1e-12)
+    est.set_params(batch_size=3)  # other batches, other padded groups
+    np.testing.assert_allclose(predict(df[150:]), whole, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(predict(df[150:].iloc[[7]])[0], whole[7], rtol=1e-12, atol=1e-12)
+    if Est is TabFMRegressor:
+        q = est.predict_quantiles(df[150:], [0.1, 0.5, 0.9])
+        assert np.all(np.diff(q, axis=1) >= 0) and np.isfinite(q).all()
+
+
+def test_small_tables_keep_one_context_per_member():
+    df, y, _ = _table(120)
+    clf = TabFMClassifier(n_estimators=2).fit(df[:100], y[:100])  # 100 <= 256 train rows
+    assert clf.local_ is None and clf.context_rows_.shape == (2, 100)
+    assert list(clf.context_members_) == [0, 1]
+    with pytest.raises(ValueError, match="local_context_rows"):
+        TabFMClassifier(local_context_rows=1).fit(df[:100], y[:100])
+
+
+def test_saved_estimator_with_local_contexts_predicts_the_same(tmp_path):
+    df, y, target = _table(200, seed=6)
+    for est, X_fit in ((TabFMClassifier(n_estimators=2, local_context_rows=60).fit(df[:150], y[:150]), df),
+                       (TabFMRegressor(n_estimators=2, local_context_rows=60).fit(df[:150], target[:150]), df)):
+        path = tmp_path / type(est).__name__
+        est.save(path)
+        loaded = type(est).load(path)
+        assert loaded.local_ is not None
+        if isinstance(est, TabFMClassifier):
+            np.testing.assert_array_equal(loaded.predict_proba(X_fit[150:]), est.predict_proba(X_fit[150:]))
+        else:
+            np.testing.assert_array_equal(loaded.predict(X_fit[150:]), est.predict(X_fit[150:]))
+            np.testing.assert_array_equal(loaded.predict_quantiles(X_fit[150:]), est.predict_quantiles(X_fit[150:]))
+
+
+def _sharded_local(d0: int, d1: int, sp: bool):
+    df, y, target = _table(150, seed=2)
+    kwargs = dict(n_estimators=2, dtype="float64", batch_size=16, local_context_rows=40)
+    clf = TabFMClassifier(**kwargs).fit(df[:110], y[:110])
+    tp_clf = TabFMClassifier(tensor_parallel=(d0, d1), sequence_parallel=sp, **kwargs).fit(df[:110], y[:110])
+    reg = TabFMRegressor(**kwargs).fit(df[:110], target[:110])
+    tp_reg = TabFMRegressor(tensor_parallel=(d0, d1), sequence_parallel=sp, **kwargs).fit(df[:110], target[:110])
+    return clf.predict_proba(df[110:]), tp_clf.predict_proba(df[110:]), reg.predict(df[110:]), tp_reg.predict(df[110:])
+
+
+@pytest.mark.parametrize("world,d0,d1,sp", [(2, 2, 1, True), (4, 2, 2, False)])
+def test_sharded_local_contexts_equal_one_process(ranks, world, d0, d1, sp):
+    for clf, tp_clf, reg, tp_reg in ranks(world).run(_sharded_local, d0, d1, sp):
+        np.testing.assert_allclose(tp_clf, clf, rtol=0, atol=1e-10)
+        np.testing.assert_allclose(tp_reg, reg, rtol=1e-10, atol=1e-10)
