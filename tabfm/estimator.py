@@ -381,7 +381,8 @@ class _TabFMBase(BaseEstimator):
             for tables in _padded_chunks([len(r) for r in rows]):
                 width = max(len(rows[t]) for t in tables)
                 padded = np.stack([np.resize(rows[t], width) for t in tables])  # repeats: harmless extra queries
-                sliced = context if len(tables) == len(units) else context.select(torch.as_tensor(tables))
+                in_order = np.array_equal(tables, np.arange(len(units)))
+                sliced = context if in_order else context.select(torch.as_tensor(tables))
                 res = self._context_outputs(model, sliced, self._unit_values(cells, units[tables], padded))
                 if out is None:
                     out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
