@@ -234,25 +234,34 @@ class _TabFMBase(BaseEstimator):
         self.n_members_ = n_members
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng)
-        self._draw_contexts(cells, rng)
+        self._draw_contexts(cells, y, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
         if encode:
             self._encode_contexts()
+
+    def _relevance_targets(self, y: np.ndarray) -> np.ndarray:
+        """[n, T] the context targets y_train_ as tabfm.local_context.column_relevance reads them: one-hot class
+        ids (the classifier), or the regressor's targets as one column."""
+        if self._task == "classification":
+            return (y[:, None] == np.arange(int(y.max()) + 1)[None]).astype(np.float64)
+        return np.asarray(y, np.float64)[:, None]
 
     def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
         """Hook: the train targets the members' contexts are built from, kept as `y_train_` (the classifier's
         class ids; the regressor's normalised residuals of its linear base)."""
         return y
 
-    def _draw_contexts(self, cells: Cells, rng: np.random.Generator, limit: int | None = None) -> None:
+    def _draw_contexts(self, cells: Cells, y: np.ndarray, rng: np.random.Generator,
+                       limit: int | None = None) -> None:
         """The contexts the members are encoded from, as `context_rows_` [U, T] (the train rows of each) and
         `context_members_` [U] (whose they are). With more than local_context_rows train rows, each member gets
         its own local contexts of that many rows (tabfm.local_context, kept as `local_`); otherwise one context
         per member holding every train row, or max_context_rows (or `limit`, the smaller) drawn per member."""
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
-            self.local_ = LocalContexts.fit(cells, self.n_members_, self.local_context_rows, rng)
+            self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
+                                            self.local_context_rows, rng)
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
         self.local_ = None
@@ -560,7 +569,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe._draw_contexts(probe.train_cells_, rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
+        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
         held_cells = self.train_cells_.take(held)
         logp = probe._cell_outputs(held_cells)

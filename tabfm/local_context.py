@@ -16,7 +16,11 @@ a test row reads `rows` keys instead of all train rows: linear in the train rows
 
 Distance space (LocalContexts.space): numeric columns divided by their train peak, then standardised; a
 categorical column of at most ONEHOT_CATEGORIES categories one-hot, scaled so that two categories are one unit
-apart, a wider one its code standardised; missing cells sit at the column's centre.
+apart, a wider one its code standardised; missing cells sit at the column's centre. Each column is then weighted
+by how much of the train targets it explains on its own (column_relevance: the square root of the adjusted
+correlation ratio over RELEVANCE_BINS quantile bins, or its categories), so that neighbours agree on the
+columns that matter and a column of noise does not scatter them; a table where no column explains anything
+alone keeps equal weights.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ KMEANS_ITERATIONS = 10
 """Lloyd iterations of the anchors' k-means: enough to balance the cells, not to converge."""
 ONEHOT_CATEGORIES = 10
 """Categorical columns of at most this many categories are one-hot in the distance space."""
+RELEVANCE_BINS = 16
+"""Quantile bins of a numeric column in column_relevance (a missing cell is a bin of its own)."""
 _DISTANCE_CELLS = 1 << 24
 """Most entries of one block of pairwise distances (bounds the memory of a nearest-row search)."""
 
@@ -64,6 +70,41 @@ def _raw_space(cells: Cells) -> np.ndarray:
     return np.concatenate(blocks, 1)
 
 
+def _column_groups(cells: Cells, c: int) -> np.ndarray:
+    """[n] int64 group of each row in column c: its category (missing last) or its quantile bin (missing last)."""
+    if cells.is_cat[c]:
+        code = cells.codes[:, c]
+        return np.where(code < 0, int(cells.n_cats[c]), code).astype(np.int64)
+    x = cells.values[:, c]
+    seen = ~np.isnan(x)
+    if not seen.any():
+        return np.zeros(len(x), np.int64)
+    edges = np.unique(np.quantile(x[seen], np.linspace(0, 1, RELEVANCE_BINS + 1)[1:-1]))
+    return np.where(seen, np.searchsorted(edges, np.nan_to_num(x), side="right"), len(edges) + 1).astype(np.int64)
+
+
+def column_relevance(cells: Cells, targets: np.ndarray) -> np.ndarray:
+    """[C] in 0..1 per column: the square root of the adjusted share of the targets' variance that the column's
+    groups (_column_groups) explain, 1 - (1 - eta^2) (n - 1) / (n - groups), at least 0. targets [n, T]: one-hot
+    classes or standardised regression targets."""
+    n = len(targets)
+    total = ((targets - targets.mean(0)) ** 2).sum()
+    out = np.zeros(cells.values.shape[1])
+    if total <= 0 or n < 3:
+        return out
+    for c in range(len(out)):
+        groups = _column_groups(cells, c)
+        _, groups = np.unique(groups, return_inverse=True)
+        count = np.bincount(groups)
+        if len(count) < 2 or len(count) >= n - 1:
+            continue
+        sums = np.stack([np.bincount(groups, weights=t, minlength=len(count)) for t in targets.T], 1)
+        between = ((sums / count[:, None] - targets.mean(0)) ** 2 * count[:, None]).sum()
+        adjusted = 1 - (1 - between / total) * (n - 1) / (n - len(count))
+        out[c] = math.sqrt(max(adjusted, 0.0))
+    return out
+
+
 def _nearest(queries: torch.Tensor, points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(squared distances, indices) [q, k] of the k points nearest each query, nearest first."""
     out_d, out_i = [], []
@@ -84,6 +125,8 @@ class LocalContexts:
 
     peak: np.ndarray
     """[D] largest train magnitude of each distance-space column (values are divided by it first)."""
+    weight: np.ndarray
+    """[D] weight of each distance-space column (its table column's relevance, relative to the largest)."""
     center: np.ndarray
     """[D] train mean of each column after the peak division."""
     scale: np.ndarray
@@ -98,10 +141,15 @@ class LocalContexts:
     """[M, n] int64: per member, the context whose anchor is nearest each train row."""
 
     @classmethod
-    def fit(cls, cells: Cells, n_members: int, rows: int, rng: np.random.Generator) -> LocalContexts:
+    def fit(cls, cells: Cells, targets: np.ndarray, n_members: int, rows: int,
+            rng: np.random.Generator) -> LocalContexts:
         """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
-        `rows` of them)."""
+        `rows` of them) and their targets [n, T] (column_relevance)."""
         raw = _raw_space(cells)
+        relevance = column_relevance(cells, targets)
+        relevance = relevance / relevance.max() if relevance.max() > 0 else np.ones_like(relevance)
+        widths = [max(width, 1) for _, width in _space_columns(cells)]
+        weight = np.repeat(relevance, widths)
         peak = np.nanmax(np.abs(raw), axis=0, initial=0.0)
         peak = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
         unit = raw / peak
@@ -109,7 +157,7 @@ class LocalContexts:
         with np.errstate(invalid="ignore"):
             spread = np.nan_to_num(np.nanstd(unit, 0), nan=0.0)
         scale = np.where(spread > 0, spread, 1.0)
-        state = cls(peak, center, scale, np.empty((0, unit.shape[1]), np.float32), np.empty((0, rows), np.int64),
+        state = cls(peak, weight, center, scale, np.empty((0, unit.shape[1]), np.float32), np.empty((0, rows), np.int64),
                     np.empty(0, np.int64), np.empty((n_members, 0), np.int64))
         state.points = state.space(cells)
         points = torch.from_numpy(state.points)
@@ -129,7 +177,7 @@ class LocalContexts:
     def space(self, cells: Cells) -> np.ndarray:
         """[n, D] float32: rows in the distance space (missing cells at the centre, 0)."""
         z = (_raw_space(cells) / self.peak - self.center) / self.scale
-        return np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0).astype(np.float32)
+        return (np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0) * self.weight).astype(np.float32)
 
     def route(self, cells: Cells) -> np.ndarray:
         """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from."""

@@ -13,7 +13,7 @@ from builders import mixed_frame
 
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier, TabFMRegressor, _padded_chunks
-from tabfm.local_context import OVERLAP, LocalContexts
+from tabfm.local_context import OVERLAP, LocalContexts, column_relevance
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -27,7 +27,7 @@ def _cells(X):
 def test_each_member_gets_overlapping_contexts_that_hold_every_train_row():
     rng = np.random.default_rng(0)
     cells = _cells(rng.normal(size=(500, 3)))
-    local = LocalContexts.fit(cells, n_members=3, rows=64, rng=rng)
+    local = LocalContexts.fit(cells, np.ones((500, 1)), n_members=3, rows=64, rng=rng)
     per_member = math.ceil(OVERLAP * 500 / 64)
     assert local.rows.shape == (3 * per_member, 64)
     assert list(local.members) == [m for m in range(3) for _ in range(per_member)]  # consecutive per member
@@ -44,13 +44,32 @@ def test_rows_are_routed_to_contexts_of_their_own_neighbourhood():
     rng = np.random.default_rng(1)
     blobs = np.concatenate([rng.normal(size=(200, 2)), rng.normal(size=(200, 2)) + 50])  # far apart
     cells = _cells(blobs)
-    local = LocalContexts.fit(cells, n_members=2, rows=48, rng=rng)
+    local = LocalContexts.fit(cells, np.ones((400, 1)), n_members=2, rows=48, rng=rng)
     route = local.route(cells)  # the train rows themselves, as test rows
     far_side = np.arange(400) >= 200
     for m in range(2):
         in_far = (local.rows[route[m]] >= 200).all(1)
         in_near = (local.rows[route[m]] < 200).all(1)
         assert np.array_equal(in_far, far_side) and np.array_equal(in_near, ~far_side)
+
+
+def test_columns_that_explain_the_target_weigh_most_in_the_distance():
+    rng = np.random.default_rng(2)
+    n = 600
+    X = np.stack([rng.uniform(-3, 3, n), rng.normal(size=n) * 1000, rng.normal(size=n)], 1)
+    y = np.sin(2 * X[:, 0]) + 0.1 * X[:, 2]           # not monotone in x0: a correlation would miss it
+    cells = _cells(X)
+    relevance = column_relevance(cells, ((y - y.mean()) / y.std())[:, None])
+    assert relevance[0] > 0.9 and relevance[1] < 0.2  # noise explains only what its 16 bins fit by chance
+    classes = (X[:, 0] > 0).astype(int)
+    onehot = np.eye(2)[classes]
+    assert column_relevance(cells, onehot)[0] > 0.9 > 0.2 > column_relevance(cells, onehot)[1]
+    local = LocalContexts.fit(cells, ((y - y.mean()) / y.std())[:, None], n_members=1, rows=60, rng=rng)
+    assert local.weight[0] == 1.0 and local.weight[1] < 0.2  # the noise column barely moves the neighbours
+    spread = np.ptp(X[local.rows][..., 0], axis=1)        # each context is a narrow slice of x0
+    assert np.median(spread) < 1.5
+    flat = LocalContexts.fit(cells, np.ones((n, 1)), n_members=1, rows=60, rng=rng)
+    assert np.all(flat.weight == 1.0)                     # nothing explains a constant target: equal weights
 
 
 def test_padded_chunks_cover_every_routed_table_once_within_the_slack():
