@@ -65,15 +65,34 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch.distributed", "tabfm.parallel.layers", "tabfm.parallel.parallelize", "tabfm.model"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tabfm.parallel.layers", "tabfm.parallel.parallelize",
+           "tabfm.model", "tabfm.parallel.planner", "tabfm.pretrain", "tabfm.estimator"]
 """Imported once by the fork server the ranks are forked from, instead of by every rank (torch's import costs
-seconds of CPU per process on this machine; a 2- and a 4-rank pool start 6)."""
+seconds of CPU per process on this machine; a 2- and a 4-rank pool start 6). Beyond torch and the layers, the
+ranks of the suite import torch._dynamo (the planner's trace), the trainer and the estimators (scikit-learn, scipy,
+pandas): about 2 s of CPU more per rank, once here instead."""
+
+
+def _start_forkserver() -> None:
+    """Start the fork server with one compute thread per library, as each rank asks (OMP_NUM_THREADS=1 in
+    `_worker`): the BLAS libraries of numpy and scipy size their thread pools when the fork server imports them,
+    before any rank sets the variable. Only the fork server's environment changes, not this process's."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
 
 
 def _context(method: str) -> Any:
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)
+        _start_forkserver()
     return ctx
 
 
