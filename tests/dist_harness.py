@@ -4,7 +4,8 @@ A `RankPool` keeps N processes alive for the whole test session, each with its g
 once. They are forked from one fork server that imported torch and the parallel layers already (PRELOAD): a
 fresh interpreter per rank, as `spawn` starts, costs seconds of CPU per process for the imports alone.
 `pool.run(fn, ...)` sends `fn` (a module-level, picklable function) to every rank and returns the list of results
-in rank order.
+in rank order; `pool.submit(fn, ...)` sends it and returns at once, so that this process can work meanwhile
+(`.wait()` gives the list).
 If any rank raises, the error names the ranks and shows each traceback; a rank that hangs (a collective that
 the others never join) is reported after `timeout` seconds and the pool is rebuilt for the next test.
 """
@@ -96,6 +97,19 @@ def _context(method: str) -> Any:
     return ctx
 
 
+class Pending:
+    """A task sent to every rank of a pool (RankPool.submit); wait() blocks for the results, once."""
+
+    def __init__(self, pool: "RankPool", name: str):
+        self._pool, self._name, self._done = pool, name, False
+
+    def wait(self) -> list[Any]:
+        if self._done:
+            raise RuntimeError(f"{self._name}: its results were taken already")
+        self._done = True
+        return self._pool._collect(self._name)
+
+
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 300.0, method: str = "forkserver"):
         self.world_size, self.timeout = world_size, timeout
@@ -110,12 +124,30 @@ class RankPool:
         for p in self._procs:
             p.start()
         self.broken = False
+        self._pending: Pending | None = None
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self.submit(fn, *args, **kwargs).wait()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "Pending":
+        """Send `fn` to every rank and return at once; `.wait()` gives what `run` gives. This process works on
+        meanwhile (e.g. a one-process reference while the ranks compute). One task at a time: a task submitted
+        earlier and never waited for is waited for first (its results dropped)."""
+        if self._pending is not None:
+            try:
+                self._pending.wait()
+            except RankFailure:
+                if self.broken:
+                    raise
         if self.broken:
             raise RankFailure("the rank pool broke in an earlier test")
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        self._pending = Pending(self, fn.__name__)
+        return self._pending
+
+    def _collect(self, name: str) -> list[Any]:
+        self._pending = None
         out: dict[int, tuple[bool, Any]] = {}
         while len(out) < self.world_size:
             try:
@@ -126,13 +158,13 @@ class RankPool:
                 silent = sorted(set(range(self.world_size)) - set(out))
                 failed = {r: v for r, (ok_, v) in out.items() if not ok_}
                 detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
-                raise RankFailure(f"{fn.__name__}: ranks {silent} gave no answer within {self.timeout:.0f}s "
+                raise RankFailure(f"{name}: ranks {silent} gave no answer within {self.timeout:.0f}s "
                                   f"(a collective the others never joined?){detail}") from None
             out[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in sorted(out.items()) if not ok}
         if failed:
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
-            raise RankFailure(f"{fn.__name__} failed on ranks {sorted(failed)}:{detail}")
+            raise RankFailure(f"{name} failed on ranks {sorted(failed)}:{detail}")
         return [out[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:
