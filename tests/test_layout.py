@@ -35,12 +35,34 @@ def _auto_cfg(tmp_path: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def pairs_plan(tmp_path_factory) -> tuple:
-    """The planner's ranking of the tiny run's layouts on 4 ranks of the pairs preset, and that topology (traced
-    once for the module: the ranking does not depend on the run folder)."""
+    """The planner's ranking of the tiny run's layouts on 4 ranks of the pairs preset, that topology, and the
+    planner's traces of the layouts (traced once for the module: the ranking does not depend on the run folder)."""
     tmp = tmp_path_factory.mktemp("pairs")
     cfg = _auto_cfg(tmp)
     topology = load_topology(str(tmp / "pairs.yaml"))
-    return planner.plan(source_for(cfg), topology, 4, dtype=cfg.train.dtype), topology
+    traces: dict = {}
+    return planner.plan(source_for(cfg), topology, 4, dtype=cfg.train.dtype, traces=traces), topology, traces
+
+
+def _train_auto(tmp: str) -> tuple:
+    cfg = _auto_cfg(Path(tmp))
+    train(cfg)
+    return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
+
+
+def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, request):
+    pending = ranks(4).submit(_train_auto, str(tmp_path))  # rank 0 plans while this process plans the module's
+    try:
+        best, _ = planner.choose_layout_from(*request.getfixturevalue("pairs_plan")[:2])
+    finally:
+        results = pending.wait()
+    chosen = results[0]
+    assert (chosen["d0"], chosen["d1"], chosen["sequence_parallel"], chosen["overlap_chunks"]) == \
+        (best.d0, best.d1, best.sequence_parallel, best.chunks)
+    assert chosen["reason"].startswith(f"{best.layout} (d0={best.d0}, d1={best.d1})") and "predicted" in \
+        chosen["reason"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and metrics[-1]["step"] == 1
 
 
 def test_tabfm_source_counts_the_real_model(tmp_path, pairs_plan):
@@ -66,35 +88,31 @@ def test_auto_on_one_process_is_the_single_device_layout(tmp_path):
     assert "1x1" in reason and json.loads((tmp_path / "layout.json").read_text())["d0"] == 1
 
 
-def _train_auto(tmp: str) -> tuple:
-    cfg = _auto_cfg(Path(tmp))
-    train(cfg)
-    return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
-
-
-def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, pairs_plan):
-    best, _ = planner.choose_layout_from(*pairs_plan)
-    results = ranks(4).run(_train_auto, str(tmp_path))
-    chosen = results[0]
-    assert (chosen["d0"], chosen["d1"], chosen["sequence_parallel"], chosen["overlap_chunks"]) == \
-        (best.d0, best.d1, best.sequence_parallel, best.chunks)
-    assert chosen["reason"].startswith(f"{best.layout} (d0={best.d0}, d1={best.d1})") and "predicted" in \
-        chosen["reason"]
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert metrics and metrics[-1]["step"] == 1
-
-
 def test_auto_with_data_parallel_needs_a_preset(tmp_path):
     cfg = _auto_cfg(tmp_path, "parallel.topology=measure", "parallel.dp=2")
     with pytest.raises(ValueError, match="needs a topology preset"):
         resolve_layout(cfg, 4)
 
 
-def test_tabfm_plan_takes_a_pretraining_config(tmp_path, capsys):
+def test_tabfm_plan_takes_a_pretraining_config(tmp_path, capsys, monkeypatch, pairs_plan):
+    """`tabfm plan` of the pretraining config ranks the same layouts as the module's plan: the planner runs whole
+    (pricing, ranking, the table), reading the module's traces of the same model, layouts and dtype (plan()'s
+    `traces`, which do not depend on the topology) instead of tracing each layout again."""
     from tabfm import cli
 
+    real_plan, calls = planner.plan, []
+
+    def plan(source, topology, nproc, **options):
+        shared = source == source_for(_auto_cfg(tmp_path)) and options.get("trace_device", "meta") == "meta"
+        calls.append(shared)
+        return real_plan(source, topology, nproc, **options, **({"traces": pairs_plan[2]} if shared else {}))
+
+    monkeypatch.setattr(planner, "plan", plan)
     preset = tmp_path / "pairs.yaml"
     preset.write_text(PAIRS)
     assert cli.main(["plan", "--config", str(TINY), "--nproc", "4", "--topology", str(preset), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "model: TabFM" in out and "best: " in out
+    assert calls == [True]
+    best, reason = planner.choose_layout_from(*pairs_plan[:2])
+    assert f"best: {reason}" in out
