@@ -50,9 +50,11 @@ from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, che
                               resolve_dtype, torch_threads)
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "weights" / "tabfm-small.safetensors"
-CONTEXT_CELL_BUDGET = 1 << 22
-"""Most train cells (rows x columns x members) encoded in one forward: how many ensemble members share a forward
-at fit. One member's context is always encoded in one forward (its memory grows with its rows x columns)."""
+CONTEXT_CELL_BUDGET = 1 << 20
+"""Most train cells (rows x columns x contexts) encoded in one forward: how many contexts share a forward at fit.
+One context is always encoded in one forward (tabfm.chunked bounds a long one). Each forward's activations are
+about a dozen [cells, embed_dim] tensors, so 2^20 cells keep them near 1.5 GiB; 2^22 (before local contexts,
+which make hundreds of small contexts) peaked at 7.8 GiB for 100,000 train rows."""
 
 CALIBRATION_ROWS = 1000
 """Most held-out train rows the classifier's temperature is fitted on."""
