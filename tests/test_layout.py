@@ -26,9 +26,12 @@ levels:
 """
 
 
-def _auto_cfg(tmp_path: Path, *extra: str):
+def _auto_cfg(tmp_path: Path, *extra: str, write_preset: bool = True):
+    """The tiny run with layout: auto on the pairs preset, written into tmp_path (ranks sharing a folder pass
+    write_preset=False: the test writes it once, as one rank rewriting it could truncate it under another's read)."""
     preset = tmp_path / "pairs.yaml"
-    preset.write_text(PAIRS)
+    if write_preset:
+        preset.write_text(PAIRS)
     return load_config(TINY, [f"train.out_dir={tmp_path / 'run'}", "train.steps=1", "train.checkpoint_every=0",
                               "parallel.layout=auto", f"parallel.topology={preset}", *extra])
 
@@ -45,12 +48,13 @@ def pairs_plan(tmp_path_factory) -> tuple:
 
 
 def _train_auto(tmp: str) -> tuple:
-    cfg = _auto_cfg(Path(tmp))
+    cfg = _auto_cfg(Path(tmp), write_preset=False)
     train(cfg)
     return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
 
 
 def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, request):
+    (tmp_path / "pairs.yaml").write_text(PAIRS)
     pending = ranks(4).submit(_train_auto, str(tmp_path))  # rank 0 plans while this process plans the module's
     try:
         best, _ = planner.choose_layout_from(*request.getfixturevalue("pairs_plan")[:2])
