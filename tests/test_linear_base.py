@@ -83,6 +83,23 @@ def test_predictions_are_held_near_the_train_targets():
     assert (pred >= y.min() - span - 1e-9).all() and (pred <= y.max() + span + 1e-9).all()
 
 
+def test_a_value_past_the_train_rows_counts_as_the_nearest_train_value():
+    X, y = _linear_table(200, missing=0.0)
+    cells = _cells(X)
+    base, _ = LinearBase.fit(cells, y)
+    far, edge = X.iloc[:3].copy(), X.iloc[:3].copy()
+    far["b"] = X["b"].max() + 50        # one cell far outside: the plane alone would move -2.0 * 50
+    edge["b"] = X["b"].max()
+    np.testing.assert_allclose(base.predict(_cells(X, far)), base.predict(_cells(X, edge)), rtol=1e-12)
+    low = X.iloc[:3].copy()
+    low["b"] = X["b"].min() - 1e300
+    low_edge = X.iloc[:3].copy()
+    low_edge["b"] = X["b"].min()
+    np.testing.assert_allclose(base.predict(_cells(X, low)), base.predict(_cells(X, low_edge)), rtol=1e-12)
+    logistic = LogisticModel.fit(cells, (y > 0).astype(int), 2)
+    np.testing.assert_allclose(logistic.predict_proba(_cells(X, far)), logistic.predict_proba(_cells(X, edge)))
+
+
 def test_regressor_fits_a_linear_target_as_well_as_ridge():
     X, y = _linear_table(500, noise=0.0)
     est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X.iloc[:400], y[:400])
