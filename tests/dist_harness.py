@@ -23,6 +23,10 @@ from typing import Any
 _MESHES: dict[tuple[int, int, int], Any] = {}  # per worker process: meshes built so far (group creation is costly)
 
 
+FAILED_GRACE = 30.0
+"""Seconds the other ranks get to answer once one rank has raised."""
+
+
 class RankFailure(AssertionError):
     """One or more ranks raised or hung."""
 
@@ -150,15 +154,21 @@ class RankPool:
         self._pending = None
         out: dict[int, tuple[bool, Any]] = {}
         while len(out) < self.world_size:
+            # Once a rank has failed, the others are most likely stuck in a collective it never joins: give them
+            # FAILED_GRACE seconds, not the whole timeout, before the pool is declared broken (the test fails
+            # either way, with every traceback that came back).
+            failing = any(not ok_ for ok_, _ in out.values())
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout)
+                rank, ok, value = self._results.get(timeout=min(self.timeout, FAILED_GRACE) if failing
+                                                    else self.timeout)
             except queue.Empty:
                 self.broken = True
                 self.close()
                 silent = sorted(set(range(self.world_size)) - set(out))
                 failed = {r: v for r, (ok_, v) in out.items() if not ok_}
                 detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in failed.items())
-                raise RankFailure(f"{name}: ranks {silent} gave no answer within {self.timeout:.0f}s "
+                waited = min(self.timeout, FAILED_GRACE) if failing else self.timeout
+                raise RankFailure(f"{name}: ranks {silent} gave no answer within {waited:.0f}s "
                                   f"(a collective the others never joined?){detail}") from None
             out[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in sorted(out.items()) if not ok}
