@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dist_harness import RankPool
+from dist_harness import RankPool, start_forkserver
 
 _POOLS: dict[int, RankPool] = {}
 
@@ -19,6 +19,13 @@ def _pool(world_size: int) -> RankPool:
 def ranks():
     """ranks(n) -> a live RankPool of n gloo processes."""
     return _pool
+
+
+def pytest_configure(config):
+    """The rank pools' fork server starts before the tests are collected: its imports (torch, the layers, the
+    trainer, the estimators: ~3 s of CPU) run on the other core while this process collects, instead of
+    holding up the first test that builds a pool."""
+    start_forkserver()
 
 
 def pytest_sessionfinish(session, exitstatus):

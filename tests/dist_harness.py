@@ -101,6 +101,12 @@ def _context(method: str) -> Any:
     return ctx
 
 
+def start_forkserver() -> None:
+    """Start the fork server (and its PRELOAD imports) now, without waiting for it: conftest does this before
+    collection, so that the imports run beside it rather than when the first pool is built."""
+    _context("forkserver")
+
+
 class Pending:
     """A task sent to every rank of a pool (RankPool.submit); wait() blocks for the results, once."""
 
