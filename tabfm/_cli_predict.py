@@ -1,7 +1,7 @@
 """`tabfm predict`: fit on a train table, predict a test table (CSV, TSV or Parquet), optionally sharded over
 processes.
 
-    tabfm predict --train train.csv --target y --test test.csv [-o preds.csv] [--proba]
+    tabfm predict --train train.csv --target y --test test.csv [-o preds.csv [--overwrite]] [--proba]
     tabfm predict ... --nproc 4 --layout 2x2     # torchrun: one context split over 4 processes
     tabfm predict ... --data-parallel 4          # torchrun: the test rows split over 4 processes
 
@@ -45,7 +45,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test", required=True,
                    help="table to predict (.csv, .tsv or .parquet); a target column there is ignored")
     p.add_argument("-o", "--output", help="where to write the predictions: .csv, .tsv or .parquet; - or no -o: CSV "
-                   "on stdout. Never one of the input tables")
+                   "on stdout. Never one of the input tables; an existing file only with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing -o file (written whole first, then moved over it)")
     p.add_argument("--proba", action="store_true",
                    help="class probabilities, one proba_CLASS column per class after the predicted label (6 "
                    "significant digits in CSV/TSV)")
@@ -157,7 +159,7 @@ def run_prediction(args: argparse.Namespace) -> int:
     """Read, fit, predict and write batch by batch (only rank 0 writes). Runs in every process under torchrun."""
     from tabfm import table_io
 
-    output = table_io.check_output(args.output, (args.train, args.test))
+    output = table_io.check_output(args.output, (args.train, args.test), args.overwrite)
     X, y, task = load_train(args)
     test = open_test(args, X)  # its header and rows checked before the fit
     _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {test.n_rows} rows")
@@ -261,7 +263,7 @@ def _predict(args: argparse.Namespace) -> int:
     if args.layout is not None and args.layout[0] * args.layout[1] != args.nproc:
         return _fail(f"--layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}")
     try:  # before any work, and before torchrun starts processes
-        table_io.check_output(args.output, (args.train, args.test))
+        table_io.check_output(args.output, (args.train, args.test), args.overwrite)
         if args.nproc == 1 and args.data_parallel == 1:
             return run_prediction(args)
     except (ValueError, TypeError) as e:

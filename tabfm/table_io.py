@@ -306,9 +306,10 @@ def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequ
     return pl.DataFrame(out)
 
 
-def check_output(path: str | None, inputs: Iterable[str | Path] = ()) -> Path | None:
-    """The output path (None: stdout), checked before any work: a known extension, an existing folder, and not
-    one of the `inputs` (which it would overwrite)."""
+def check_output(path: str | None, inputs: Iterable[str | Path] = (), overwrite: bool = False) -> Path | None:
+    """The output path (None: stdout), checked before any work: a known extension, an existing folder, not one
+    of the `inputs` (which it would overwrite), and not an existing file unless `overwrite` (an earlier run's
+    predictions are not replaced silently)."""
     if path is None or path == STDOUT:
         return None
     p = Path(path)
@@ -327,6 +328,8 @@ def check_output(path: str | None, inputs: Iterable[str | Path] = ()) -> Path | 
         if _same_file(p, Path(source)):
             raise TableError(f"{path}: is the input table {source}; writing there would overwrite it, choose "
                              "another output file")
+    if p.exists() and not overwrite:
+        raise TableError(f"{path}: already exists; choose another output file, or replace it with --overwrite")
     return p
 
 
@@ -359,7 +362,8 @@ class TableWriter:
     """
 
     def __init__(self, path: str | Path | None, float_digits: int | None = None):
-        self.path = check_output(None if path is None else str(path))
+        # a file there is replaced only when the `with` block succeeds; callers refuse one first (check_output)
+        self.path = check_output(None if path is None else str(path), overwrite=True)
         self.float_digits = float_digits
         self.rows = 0
         self._suffix = "" if self.path is None else self.path.suffix.lower()

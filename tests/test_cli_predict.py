@@ -37,6 +37,14 @@ def test_predict_classes_to_csv(tables, capsys):
     assert pred.columns == ["label"] and pred.height == 30
     assert set(pred["label"].to_list()) <= {"yes", "no"}
     assert "wrote 30 predictions (classification)" in capsys.readouterr().err
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
+            str(tables / "test.parquet"), "-o", str(out), "--n-estimators", "1"]
+    assert main(argv) == 2  # an earlier run's predictions are not replaced silently
+    assert f"{out}: already exists; choose another output file, or replace it with --overwrite" in \
+        capsys.readouterr().err
+    assert pl.read_csv(out).columns == ["label"]
+    assert main([*argv, "--overwrite"]) == 0
+    assert pl.read_csv(out).columns == ["amount"] and pl.read_csv(out).height == 30
 
 
 def test_predict_proba_parquet_and_stdout(tables, capsys):
@@ -240,7 +248,7 @@ def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
     out.write_text("an earlier run\n")
     before = _snapshot(tables)
     argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
-            "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7", "-o", str(out)]
+            "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7", "-o", str(out), "--overwrite"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tabfm predict: error: ") and message.format(test=tables / "test.csv") in err, err
