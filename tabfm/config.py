@@ -34,6 +34,7 @@ from tabfm.config_io import (ConfigError, apply_overrides, from_dict, load, pres
                              shown, to_dict)
 from tabfm.data.config import DataConfig
 from tabfm.model import ModelConfig
+from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel.topology import HierarchicalTopology, TopologyPreset
 
 __all__ = ["ConfigError", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "apply_overrides",
@@ -94,13 +95,15 @@ class ParallelConfig:
     or torch."""
 
     def __post_init__(self) -> None:
-        for name in ("d0", "d1", "dp", "overlap_chunks"):
+        for name in ("d0", "d1", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1")
         if self.layout not in ("manual", "auto"):
             raise ValueError(f"parallel.layout={self.layout!r}; use manual or auto")
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"parallel.kernels={self.kernels!r}; use auto, triton or torch")
+        try:  # the layers' own checks of the options they take (one place: ParallelOptions)
+            ParallelOptions.from_config(self)
+        except ValueError as e:
+            raise ValueError(f"parallel.{e}") from None
 
 
 PRECISIONS = ("fp32", "tf32", "bf16")

@@ -130,6 +130,12 @@ def test_a_section_check_blames_the_key_it_names():
     assert _error(load_config, TINY, ["model.embed_dim=10"]) == \
         "model.embed_dim=10 is not divisible by axial_heads=4 (from --set model.embed_dim=10)"
     assert _error(load_config, TINY, ["train.dtype=bfloat16"]).endswith("(from --set train.dtype=bfloat16)")
+    # the parallel options are checked by the layers' own checks (ParallelOptions), named as config keys
+    assert _error(load_config, TINY, ["parallel.overlap_chunks=0"]) == ("parallel.overlap_chunks must be a positive "
+                                                                        "integer (1 = no overlap), got 0 (from --set "
+                                                                        "parallel.overlap_chunks=0)")
+    assert _error(load_config, TINY, ["parallel.kernels=cuda"]) == \
+        "parallel.kernels must be one of auto, triton, torch; got 'cuda' (from --set parallel.kernels=cuda)"
 
 
 def test_a_bad_key_of_a_preset_file_names_that_file(tmp_path):
