@@ -55,6 +55,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: regression for a numeric target with more than 20 distinct non-integer values")
     p.add_argument("--checkpoint", help="merged .safetensors or checkpoint folder (default: the shipped model)")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members")
+    p.add_argument("--local-context-rows", type=int, default=256, metavar="N",
+                   help="with more train rows than N, each member reads local contexts of N nearest train rows "
+                   "(0: one context of all train rows)")
     p.add_argument("--categorical", default="", help="comma-separated columns to treat as categorical")
     p.add_argument("--na-values", default="", metavar="A,B,...",
                    help="comma-separated extra cell values that mean missing, added to the defaults: "
@@ -221,7 +224,8 @@ def fit(args: argparse.Namespace, X, y, task: str):
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp = (args.layout or (world, 1)) if world > 1 and args.data_parallel == 1 else None
-    kwargs = dict(n_estimators=args.n_estimators, checkpoint=args.checkpoint, batch_size=args.batch_size,
+    kwargs = dict(n_estimators=args.n_estimators, local_context_rows=args.local_context_rows or None,
+                  checkpoint=args.checkpoint, batch_size=args.batch_size,
                   device=args.device, dtype=args.dtype, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
@@ -257,6 +261,8 @@ def _predict(args: argparse.Namespace) -> int:
                         ("--data-parallel", args.data_parallel)):
         if value < 1:
             return _fail(f"{flag} must be at least 1, got {value}")
+    if args.local_context_rows < 0 or args.local_context_rows == 1:
+        return _fail(f"--local-context-rows must be 0 (one context) or at least 2, got {args.local_context_rows}")
     if args.nproc > 1 and args.data_parallel > 1:
         return _fail(f"--nproc {args.nproc} splits the model, --data-parallel {args.data_parallel} the test rows; "
                      "choose one")

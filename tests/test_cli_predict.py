@@ -73,6 +73,7 @@ def test_predict_regression_is_inferred(tables):
     (["--target", "nope"], "has no column 'nope'"),
     (["--target", "amount", "--proba", "--test", "test.parquet"], "--proba is for classification"),
     (["--target", "label", "--test", "missing.csv"], "no such file"),
+    (["--target", "label", "--local-context-rows", "1"], "--local-context-rows must be 0 (one context) or at least 2"),
 ])
 def test_predict_errors(tables, capsys, args, message):
     base = {"--train": str(tables / "train.csv"), "--test": str(tables / "test.csv")}
@@ -222,16 +223,19 @@ def test_the_test_table_read_in_batches_of_7_rows_gives_the_same_bytes(tables, t
     assert not [p.name for p in tables.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_the_stream_gives_what_the_estimator_gives_on_the_whole_table(tables):
+@pytest.mark.parametrize("local", [256, 30], ids=["one context", "local contexts"])  # the table has 90 train rows
+def test_the_stream_gives_what_the_estimator_gives_on_the_whole_table(tables, local):
     from tabfm.estimator import TabFMRegressor
     from tabfm.table_io import read_table
 
     out = tables / "amount.csv"
     assert main(["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
                  str(tables / "test.parquet"), "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7",
-                 "--quiet", "-o", str(out)]) == 0
+                 "--local-context-rows", str(local), "--quiet", "-o", str(out)]) == 0
     train, test = read_table(tables / "train.csv"), read_table(tables / "test.parquet")
-    reg = TabFMRegressor(n_estimators=1, batch_size=8).fit(train.drop("amount"), train["amount"].to_numpy())
+    reg = TabFMRegressor(n_estimators=1, batch_size=8, local_context_rows=local).fit(train.drop("amount"),
+                                                                                   train["amount"].to_numpy())
+    assert (reg.local_ is not None) == (local < 90)
     expected = reg.predict(test.select(train.drop("amount").columns))
     assert out.read_text() == pl.DataFrame({"amount": expected}).write_csv()
 
