@@ -12,7 +12,7 @@ import torch
 from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from tabfm import estimator, inference
+from tabfm import estimator, estimator_model, inference
 from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
@@ -244,7 +244,7 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
     from tabfm.parallel.mesh import ParallelDims
 
     calls = {"load": 0, "mesh": 0, "built": 0}
-    real_load, real_mesh, real_build = tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build
+    real_load, real_mesh, real_build = tabfm.checkpoint.load_model, estimator_model._mesh, ParallelDims.build
 
     def load(*a, **k):
         calls["load"] += 1
@@ -258,8 +258,8 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
         calls["built"] += 1
         return real_build(*a, **k)
 
-    estimator._layout_mesh.cache_clear()
-    tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build = load, mesh, build
+    estimator_model._layout_mesh.cache_clear()
+    tabfm.checkpoint.load_model, estimator_model._mesh, ParallelDims.build = load, mesh, build
     try:
         df, y = mixed_frame(90, seed=2)
         clf = TabFMClassifier(n_estimators=2, dtype="float64", tensor_parallel=(d0, d1)).fit(df[:60], y[:60])
@@ -271,7 +271,7 @@ def _tensor_parallel_fit_calls(d0: int, d1: int) -> tuple[dict[str, int], np.nda
         after = restored.predict_proba(df[60:])  # rebuilds model_ (and its mesh) once
         return {"fit_load": fitted["load"], "fit_mesh": fitted["mesh"], **calls}, before, after, kept
     finally:
-        tabfm.checkpoint.load_model, estimator._mesh, ParallelDims.build = real_load, real_mesh, real_build
+        tabfm.checkpoint.load_model, estimator_model._mesh, ParallelDims.build = real_load, real_mesh, real_build
 
 
 def test_tensor_parallel_fit_loads_the_checkpoint_once(ranks):
