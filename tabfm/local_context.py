@@ -202,10 +202,10 @@ def _anchors(points: torch.Tensor, rows: int, rng: np.random.Generator) -> torch
     from sklearn.cluster import KMeans
 
     n = len(points)
-    count = min(n, math.ceil(OVERLAP * n / rows))
     pool = points.numpy().astype(np.float64)
     if n > ANCHOR_SAMPLE:
         pool = pool[np.sort(rng.choice(n, ANCHOR_SAMPLE, replace=False))]
+    count = min(math.ceil(OVERLAP * n / rows), len(np.unique(pool, axis=0)))  # no two anchors on one point
     kmeans = KMeans(count, n_init=1, max_iter=KMEANS_ITERATIONS, random_state=int(rng.integers(2**31 - 1)))
     return torch.from_numpy(kmeans.fit(pool).cluster_centers_.astype(np.float32))
 

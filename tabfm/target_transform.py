@@ -129,13 +129,13 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
     on the union of all members' edges and inverted by linear interpolation."""
     n = probs[0].shape[0]
     edges = [np.broadcast_to(e, (n, np.shape(e)[-1])) for e in edges_y]
-    grid = np.sort(np.concatenate(edges, axis=1), axis=1)                  # [n, G]
+    grid = np.ascontiguousarray(np.sort(np.concatenate(edges, axis=1), axis=1))  # [n, G], C order
     cdf = np.zeros_like(grid)
     rows = np.arange(n)[:, None]
     for p, e in zip(probs, edges, strict=True):
         S = (e.shape[1] - 1) // p.shape[1]
         cum = np.concatenate([np.zeros((n, 1)), np.cumsum(np.repeat(p / S, S, axis=1), 1)], 1)  # at edges e
-        idx = torch.searchsorted(torch.tensor(e), torch.from_numpy(grid), right=True)
+        idx = torch.searchsorted(torch.from_numpy(np.array(e, order="C")), torch.from_numpy(grid), right=True)
         idx = np.clip(idx.numpy() - 1, 0, e.shape[1] - 2)
         lo, hi = e[rows, idx], e[rows, idx + 1]
         frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
