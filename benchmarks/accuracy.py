@@ -4,6 +4,7 @@
                                   [--n-estimators N] [--max-context-rows N] [--set name=value ...]
                                   [--models tabfm,logreg,ridge,rf,hgb,knn] [--reuse-baselines CSV]
                                   [--learning-curve] [--device cpu] [--out benchmarks/results]
+    python benchmarks/accuracy.py --report-only benchmarks/results/accuracy.csv --folds 5
 
 Two suites of real tables: `dev` (the 16 of benchmarks/datasets) and `suite2` (the 40 of
 benchmarks/datasets/suite2); each is summarised on its own and together (all 56), since a change that helps
@@ -33,7 +34,9 @@ target's skew), so that where the model loses can be read against what the table
 log-loss (or R^2) against the number of train rows (100, 300, 1000, all) on a few tables, ours beside logistic
 regression / ridge and HGB. `--reuse-baselines benchmarks/results/accuracy.csv` reads the baselines' per-table
 means from an earlier run instead of refitting them (for quick iterations on tabfm; the README numbers come
-from full runs).
+from full runs); `--report-only CSV --folds N` prints the report of an earlier run's accuracy.csv, fitting nothing.
+Tables of 5 or more classes are also summarised on their own (log-loss and ROC-AUC), where the model was weakest
+against logistic regression.
 
 Writes the printed text to OUT/accuracy.txt and per-table, per-model results to OUT/accuracy.csv.
 """
@@ -77,6 +80,8 @@ REG_REFERENCE = {"dev": "ridge", "suite2": "hgb"}
 """The regression baseline each suite's R^2 target is judged against (the issue's targets)."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
 CURVE_SIZES = (100, 300, 1000)
+MANY_CLASSES = 5
+"""Tables with at least this many classes are also summarised on their own (many_class_lines)."""
 
 MODELS = ("tabfm", "logreg", "ridge", "rf", "hgb", "knn")
 CLASSIFIERS = ("tabfm", "logreg", "rf", "hgb", "knn")
@@ -440,15 +445,16 @@ def write_csv(path: Path, tables: dict[str, RealTable], per_table: dict[str, dic
                             r.n_failed_folds, r.error or ""])
 
 
-def read_baselines(paths: list[Path], names: list[str], n_folds: int) -> dict[str, dict[str, Result]]:
+def read_baselines(paths: list[Path], names: list[str], n_folds: int,
+                   with_tabfm: bool = False) -> dict[str, dict[str, Result]]:
     """The baselines' per-table means from earlier runs' accuracy.csv files or the suites' stored
-    baselines.csv (5 folds; tabfm's rows are skipped), as Results of one value per metric; refused when a file
-    scored other folds than this run."""
+    baselines.csv (5 folds; tabfm's rows are skipped unless with_tabfm), as Results of one value per metric;
+    refused when a file scored other folds than this run."""
     out: dict[str, dict[str, Result]] = {}
     for path in paths:
         with path.open() as fh:
             for row in csv.DictReader(fh):
-                if row["model"] == "tabfm" or row["dataset"] not in names:
+                if (row["model"] == "tabfm" and not with_tabfm) or row["dataset"] not in names:
                     continue
                 folds = int(row.get("n_folds") or 5)
                 if folds != n_folds:
@@ -531,7 +537,25 @@ def report(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]]
         reference = REG_REFERENCE.get(label, "hgb")
         lines += [f"## Suite {label} ({len(names)} tables)", "", *summary,
                   *target_lines(means, cls_models, reg_models, reference), ""]
+    many = {n: r for n, r in per_table.items() if len(tables[n].classes) >= MANY_CLASSES}
+    if many:
+        lines += many_class_lines(many, tables, [m for m in CLASSIFIERS if m in models])
     return lines
+
+
+def many_class_lines(many: dict[str, dict[str, Result]], tables: dict[str, RealTable],
+                     models: list[str]) -> list[str]:
+    """Tables of MANY_CLASSES or more classes on their own (over all suites): where the model was weakest against
+    logistic regression's log-loss (issue 13), each table's log-loss and the means of log-loss and ROC-AUC."""
+    lines = [f"## Tables of {MANY_CLASSES} or more classes ({len(many)}, all suites): log-loss", "",
+             "| table | K | rows | " + " | ".join(models) + " |", "|---|---|---|" + "---|" * len(models)]
+    for name, results in sorted(many.items(), key=lambda kv: len(tables[kv[0]].classes)):
+        vals = [_f(results[m].mean("log_loss"), 3) if m in results else "n/a" for m in models]
+        lines.append(f"| {name} | {len(tables[name].classes)} | {len(tables[name].y)} | " + " | ".join(vals) + " |")
+    for key, label in (("log_loss", "mean log-loss"), ("roc_auc", "mean ROC-AUC")):
+        vals = [_f(_mean_over_tables({n: r for n, r in many.items() if m in r}, m, key)[0]) for m in models]
+        lines.append(f"| {label} | | | " + " | ".join(vals) + " |")
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -551,6 +575,9 @@ def main() -> None:
                    help="take the baselines' scores from earlier runs' accuracy.csv, or 'stored' for the suites' "
                         "baselines.csv, instead of refitting them")
     p.add_argument("--learning-curve", action="store_true", help="add the train-size curve on a few tables")
+    p.add_argument("--report-only", default=None, metavar="CSV",
+                   help="fit nothing: print the report of an earlier run's accuracy.csv (tabfm's rows too), "
+                        "writing no file")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for accuracy.txt / .csv")
     args = p.parse_args()
 
@@ -570,7 +597,7 @@ def main() -> None:
     ours = {k: v for k, v in (("n_estimators", args.n_estimators), ("max_context_rows", args.max_context_rows),
                               ("device", args.device), ("checkpoint", args.checkpoint)) if v is not None}
     ours.update(_estimator_overrides(args.set))
-    if "tabfm" in models:
+    if "tabfm" in models and args.report_only is None:
         _warm_up(ours)
     tables = {n: load_real_table(n, where[n]) for n in names}
     for t in tables.values():
@@ -578,7 +605,11 @@ def main() -> None:
             p.error(f"--folds {args.folds}: {t.name} has {len(np.unique(t.folds))} folds")
     run_models = models
     per_table: dict[str, dict[str, Result]] = {n: {} for n in names}
-    if args.reuse_baselines is not None:
+    if args.report_only is not None:
+        for name, results in read_baselines([Path(args.report_only)], names, args.folds, with_tabfm=True).items():
+            per_table[name].update({m: r for m, r in results.items() if m in models})
+        run_models = []
+    elif args.reuse_baselines is not None:
         paths = ([SUITES[s] / "baselines.csv" for s in suites] if args.reuse_baselines == "stored"
                  else [Path(x) for x in args.reuse_baselines.split(",")])
         for name, results in read_baselines(paths, names, args.folds).items():
@@ -595,7 +626,7 @@ def main() -> None:
     for name in names:
         per_table[name].update(fresh[name])
         per_table[name] = {m: per_table[name][m] for m in MODELS if m in per_table[name]}
-    curve = learning_curve_lines(tables, ours) if args.learning_curve else []
+    curve = learning_curve_lines(tables, ours) if args.learning_curve and args.report_only is None else []
     elapsed = time.perf_counter() - start_all
 
     est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
@@ -617,6 +648,8 @@ def main() -> None:
     lines.append(f"total runtime: {elapsed:.1f} s")
     text = "\n".join(lines)
     print(text)
+    if args.report_only is not None:
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "accuracy.txt").write_text(text + "\n")
     write_csv(args.out / "accuracy.csv", tables, per_table, args.folds)
