@@ -82,6 +82,24 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
 
 
+class CrossKeys(KVCache):
+    """Keys and values of one set of tokens handed to a later call of the same block on other tokens, gradients
+    kept: cross-attention through the block's own layers (so a tensor-parallel block shards these keys like any).
+
+    The first call (the key tokens) records the keys/values of its first `num_kv` tokens. Its own attention is not
+    wanted, so its tokens attend to the first key alone (linear cost) and the caller drops that call's output.
+    Every later call attends to the recorded keys/values.
+    """
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, num_kv: int | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     int | None]:
+        if not self.recording:
+            return super().__call__(k, v, num_kv)
+        n = k.shape[-2] if num_kv is None else num_kv
+        self.k, self.v, self.recording = k[..., :n, :], v[..., :n, :], False
+        return k[..., :1, :], v[..., :1, :], None
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused [q | k | v] projection, or query-to-context attention when
     `num_kv` restricts keys and values to a prefix of the sequence (or `cache` holds a recorded prefix)."""

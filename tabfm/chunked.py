@@ -16,7 +16,8 @@ shard rows and widths themselves), take TabFM.encode_context unchanged.
 
 Shapes: B tables, R rows (all train rows), C columns, E cell width, D row width, nh heads, dh head width.
     x      [B, R, C, E]        cells, overwritten block by block
-    cache  [B, C, nh, R, dh]   keys / values down each column (axial blocks);  [B, nh, R, dh] (in-context blocks)
+    cache  [B, C, nh, R, dh]   keys / values down each column (axial blocks; [B, C, nh, M, dh], those of the M
+                               summaries, with inducing column attention);  [B, nh, R, dh] (in-context blocks)
     h      [B, R, D]           row vectors
 """
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from tabfm.blocks import Block, KVCache
+from tabfm.column_stage import InducingColumnAttention
 from tabfm.data.encode import Batch
 from tabfm.model import Context, TabFM
 
@@ -69,6 +71,20 @@ def record_cache(block: Block, seq: torch.Tensor, chunks: list[slice]) -> KVCach
     return cache
 
 
+def column_cache(column: nn.Module, x: torch.Tensor, chunks: list[slice]) -> KVCache:
+    """The Context's cache of an axial block's column stage, from the train cells x [B, R, C, E]: the keys/values of
+    every row (full attention), or those of the M summaries, computed from the rows' keys/values at `summarise`
+    recorded chunk by chunk (inducing column attention, tabfm.column_stage)."""
+    cols = x.transpose(1, 2)                                                     # [B, C, R, E]
+    if not isinstance(column, InducingColumnAttention):
+        return record_cache(column.block, cols, chunks)
+    h = column.summaries(record_cache(column.summarise, cols, chunks), None)   # [B, C, M, E]
+    cache = KVCache()
+    column.read(h, cache=cache)
+    cache.recording = False
+    return cache
+
+
 @torch.no_grad()
 def encode_context_chunked(model: TabFM, batch: Batch, row_chunk: int | None = None) -> Context:
     """TabFM.encode_context(batch) computed `row_chunk` rows (default ROW_CHUNK, read at call time) at a time
@@ -90,7 +106,7 @@ def encode_context_chunked(model: TabFM, batch: Batch, row_chunk: int | None = N
         x[:, rows] = cells
     caches = []
     for axial in model.axial:
-        caches.append(record_cache(axial.column.block, x.transpose(1, 2), chunks))
+        caches.append(column_cache(axial.column, x, chunks))
         for rows in chunks:
             x[:, rows] = axial(x[:, rows], kv, batch.col_pad, caches[-1])
     h = torch.cat([model.compress(x[:, rows], batch.col_pad) for rows in chunks], dim=1)  # [B, R, D]

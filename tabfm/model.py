@@ -5,6 +5,7 @@ Each stage is named after the table axis it mixes (TabICL style):
 
     CellEncoder      each cell on its own: normalised value (train-row statistics) or hashed category, + column id
     ColumnAttention  down each column, across rows: every cell attends to the train-row cells of its column
+                     (or, with column_attention="inducing", to M learned summaries of them: tabfm.column_stage)
     RowAttention     across the columns of each row: every cell attends to the real cells of its row
     RowCompression   K learned CLS tokens read each row's cells -> one vector per row
     ICLearning       in-context transformer over row vectors: train rows carry their label; all rows attend to
@@ -43,11 +44,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tabfm.blocks import Block, BlockStack, KVCache
+from tabfm.column_stage import InducingColumnAttention
 from tabfm.config_io import from_dict, load_preset, preset_dir
 from tabfm.data.encode import Batch
 
 TargetStats = tuple[torch.Tensor, torch.Tensor]
 """(mean, std) [B, 1] of each table's regression targets over its train rows."""
+
+COLUMN_STAGES = ("full", "inducing")
+"""ModelConfig.column_attention: the column stages."""
 
 CONFIG_DIR = preset_dir("model")
 """The size presets: configs/model of a source checkout, or the copy an installed wheel ships in tabfm/configs."""
@@ -93,10 +98,21 @@ class ModelConfig:
     """The regression bins cover [-bin_range, bin_range] standard deviations of the train targets."""
     value_clip: float = 10.0
     """Normalised numeric values (and regression targets fed as labels) are clipped to +-value_clip."""
+    column_attention: str = "full"
+    """The column stage of each axial block: "full" (ColumnAttention: every cell attends to the train cells of its
+    column, O(rows x train rows)) or "inducing" (tabfm.column_stage: through num_inducing learned tokens, linear in
+    rows)."""
+    num_inducing: int = 32
+    """M: inducing tokens per column when column_attention is "inducing" (unused by "full")."""
 
     def __post_init__(self) -> None:
+        if self.column_attention not in COLUMN_STAGES:
+            raise ValueError(f"model.column_attention must be one of {', '.join(COLUMN_STAGES)}, "
+                             f"got {self.column_attention!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.type == "str":
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{f.name} must be a positive number, got {value!r}")
             if f.type == "int" and not isinstance(value, int):
@@ -126,8 +142,13 @@ class ModelConfig:
         return load_preset(cls, name_or_path)
 
     def to_dict(self) -> dict:
-        """The constructor arguments as a plain mapping (what checkpoints carry)."""
-        return dataclasses.asdict(self)
+        """The constructor arguments as a plain mapping (what checkpoints carry). A full-attention model leaves the
+        column-stage settings out, so its checkpoints are what they were before the option and older ones compare
+        equal to it."""
+        d = dataclasses.asdict(self)
+        if self.column_attention == "full":
+            del d["column_attention"], d["num_inducing"]
+        return d
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,11 +263,13 @@ class RowAttention(nn.Module):
 
 
 class AxialBlock(nn.Module):
-    """Down the columns, then across the rows. cache: the train rows' keys/values of the column attention."""
+    """Down the columns, then across the rows. cache: what test rows read at the column stage (the train rows'
+    keys/values; with inducing column attention, its summaries' keys/values)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.column = ColumnAttention(cfg)
+        self.column: nn.Module = ColumnAttention(cfg) if cfg.column_attention == "full" else InducingColumnAttention(
+            cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio, cfg.num_inducing)
         self.row = RowAttention(cfg)
 
     def forward(self, x: torch.Tensor, kv: KeyRows, col_pad: torch.Tensor,
@@ -302,8 +325,9 @@ class Context:
         cell_stats     mean / deviation of each numeric column over the train rows       [B, 1, C]
         target_stats   mean / deviation of the regression target (regression only)      [B, 1]
         caches         keys / values of the train rows at every attention over rows, in forward order: the
-                       ColumnAttention of each axial block, then each in-context block (this rank's heads when
-                       tensor-parallel)
+                       column stage of each axial block (with inducing column attention: the keys / values of its
+                       M summaries of the train rows, [B, C, heads, M, dh]), then each in-context block (this
+                       rank's heads when tensor-parallel)
     """
 
     task: str

@@ -22,8 +22,11 @@ from tabfm.parallel.parallelize import REGION, Plan, block_plan, model_mesh, par
 
 __all__ = ["STAGE_BLOCKS", "ParallelOptions", "model_mesh", "parallelize_model", "tp_plan"]
 
-STAGE_BLOCKS = ("axial.*.column.block", "axial.*.row.block", "compress.block", "icl.blocks")
-"""The blocks of each stage (dense.Block, or the in-context BlockStack): the tensor-parallel regions."""
+STAGE_BLOCKS = ("axial.*.column.block", "axial.*.column.summarise", "axial.*.column.read", "axial.*.row.block",
+                "compress.block", "icl.blocks")
+"""The blocks of each stage (dense.Block, or the in-context BlockStack): the tensor-parallel regions. The column
+stage is one block (full attention) or two (inducing column attention, tabfm.column_stage); a model has only one of
+the two kinds, and a pattern that matches nothing is no region."""
 
 
 def tp_plan(model: TabFM) -> Plan:

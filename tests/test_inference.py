@@ -107,11 +107,11 @@ def test_the_cache_is_an_argument_not_state_on_the_layers():
             rows_of(a, slice(0, TRAIN), TRAIN))), pred_a)
 
 
-def _sharded(d0: int, d1: int, sp: bool) -> dict[str, float]:
+def _sharded(d0: int, d1: int, sp: bool, **overrides) -> dict[str, float]:
     mesh = get_mesh(d0, d1)
     errors = {}
     for task in ("classification", "regression"):
-        model, batch = tiny_model().eval(), full_table(task)
+        model, batch = tiny_model(**overrides).eval(), full_table(task)
         with torch.no_grad():
             full = model(batch)[:, TRAIN:]
         par = parallelize_model(copy.deepcopy(model), mesh, sequence_parallel=sp)
@@ -146,3 +146,37 @@ def test_context_encoded_in_row_chunks_equals_one_pass(task):
         encode_context(model, batch, row_chunk=3)
     with pytest.raises(ValueError, match="positive number of rows"):
         encode_context(model, train, row_chunk=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inducing column attention (tabfm.column_stage): the column stage's cache holds the M summaries' keys/values
+# ---------------------------------------------------------------------------------------------------------
+
+INDUCING = {"column_attention": "inducing", "num_inducing": 6}
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_inducing_context_equals_full_forward(task):
+    """Test rows predicted against a context (one pass, or encoded 3 rows at a time) equal a forward of the whole
+    table; each axial block's cache holds the keys/values of its M summaries, not of the train rows, so a test row
+    costs O(M) there."""
+    model, batch = tiny_model(**INDUCING).eval(), full_table(task)
+    with torch.no_grad():
+        full = model(batch)[:, TRAIN:]
+    for chunks in (1, 5):
+        assert (cached_logits(model, batch, chunks) - full).abs().max() <= TOL
+        assert (cached_logits(model, batch, chunks, row_chunk=3) - full).abs().max() <= TOL
+    train = rows_of(batch, slice(0, TRAIN), TRAIN)
+    whole, chunked = model.encode_context(train), encode_context(model, train, row_chunk=3)
+    A = model.config.axial_num_blocks
+    assert len(whole.caches) == A + model.config.icl_num_blocks
+    assert [c.k.shape[-2] for c in whole.caches] == [6] * A + [TRAIN] * model.config.icl_num_blocks
+    for a, b in zip(whole.caches, chunked.caches, strict=True):
+        assert a.k.shape == b.k.shape and not b.recording
+        assert max((a.k - b.k).abs().max(), (a.v - b.v).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("world,d0,d1,sp", [(2, 1, 2, False), (4, 2, 2, True), (4, 4, 1, True)])
+def test_sharded_inducing_inference_equals_one_process(ranks, world, d0, d1, sp):
+    for rank_errors in ranks(world).run(_sharded, d0, d1, sp, **INDUCING):
+        assert max(rank_errors.values()) <= TOL, rank_errors

@@ -33,12 +33,18 @@ def _objective(model: TabFM, batch: Batch, g: torch.Tensor) -> tuple[torch.Tenso
     return out, model.loss(batch, logits) + 0.01 * (out * g[..., : out.shape[-1]]).sum()
 
 
-def _parallel_errors(d0: int, d1: int, dp: int, sp: bool) -> dict[str, float]:
+COLUMN_STAGES = {"full": {}, "inducing": {"column_attention": "inducing", "num_inducing": 6}}
+"""The tiny model's column stages under test. 6 inducing tokens: sequence parallelism on d0=4 pads them; and an
+odd M would shift the rows' place in the `read` block's matmuls, so permuted rows would agree to 1e-15, not bit
+for bit (test_permuting_test_rows_permutes_their_predictions)."""
+
+
+def _parallel_errors(d0: int, d1: int, dp: int, sp: bool, column: str = "full") -> dict[str, float]:
     """Run on every rank: the plain model and its parallelized copy on the same batch, for both tasks."""
     mesh = get_mesh(d0, d1, dp)
     errors: dict[str, float] = {}
     for task in ("classification", "regression"):
-        model = tiny_model()
+        model = tiny_model(**COLUMN_STAGES[column])
         batch = make_batch(task)
         g = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 
@@ -68,11 +74,12 @@ def _parallel_errors(d0: int, d1: int, dp: int, sp: bool) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.parametrize("column", COLUMN_STAGES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("d0,d1,dp", [(2, 2, 1), (4, 1, 1), (1, 2, 2)], ids=["2x2", "4x1", "1x2-dp2"])
-def test_parallel_model_equals_one_process(ranks, d0, d1, dp, sp):
-    names = {n for n, _ in tiny_model().named_parameters()}
-    for rank, errors in enumerate(ranks(4).run(_parallel_errors, d0, d1, dp, sp)):
+def test_parallel_model_equals_one_process(ranks, d0, d1, dp, sp, column):
+    names = {n for n, _ in tiny_model(**COLUMN_STAGES[column]).named_parameters()}
+    for rank, errors in enumerate(ranks(4).run(_parallel_errors, d0, d1, dp, sp, column)):
         # every parameter's gradient was compared (each head in its own task), and every task's output and loss
         assert {k.split(" grad ", 1)[1] for k in errors if " grad " in k} == names
         assert {k for k in errors if " grad " not in k} == {f"{t} {w}" for t in ("classification", "regression")
@@ -114,6 +121,25 @@ def test_the_plan_is_applied_from_outside():
         parallelize(copy.deepcopy(model), mesh, {"icl": "region", "icl.blocks": "region"})
 
 
+def test_inducing_column_blocks_are_regions_of_the_plan():
+    """With inducing column attention each axial block's column stage is two regions (summarise, read) whose
+    attention, MLP and norms are ATP layers; the inducing tokens stay replicated like the CLS tokens."""
+    from tabfm.parallel.layers import ParallelBlock
+    from tabfm.parallel.mesh import TPMesh
+    from tabfm.parallel.parallelize import parallelize
+
+    model, batch = tiny_model(**COLUMN_STAGES["inducing"]), make_batch()
+    par = parallelize(copy.deepcopy(model), TPMesh.single(), tp_plan(model))
+    assert [n for n, _ in par.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert "axial.0.column.inducing" in dict(par.named_parameters())
+    regions = [n for n, m in par.named_modules() if m._forward_pre_hooks]
+    assert regions == ["axial.0.column.summarise", "axial.0.column.read", "axial.0.row.block", "compress.block",
+                       "icl.blocks"]
+    assert all(isinstance(par.get_submodule(n), ParallelBlock) for n in regions[:-1])
+    with torch.no_grad():
+        assert torch.allclose(par(batch), model(batch), rtol=0, atol=TOL)
+
+
 def test_layout_that_does_not_divide_heads_is_refused():
     model = tiny_model(axial_heads=2)
     with pytest.raises(LayoutError, match="heads are not divisible"):
@@ -137,9 +163,10 @@ def _perturb_row(batch: Batch, b: int, r: int, seed: int = 9) -> Batch:
     return Batch(**{**batch.__dict__, "values": values, "cat_codes": codes, "missing": missing, "labels": labels})
 
 
+@pytest.mark.parametrize("column", COLUMN_STAGES)
 @pytest.mark.parametrize("task", ["classification", "regression"])
-def test_changing_a_test_row_moves_no_other_row(task):
-    model, batch = tiny_model(), make_batch(task)
+def test_changing_a_test_row_moves_no_other_row(task, column):
+    model, batch = tiny_model(**COLUMN_STAGES[column]), make_batch(task)
     with torch.no_grad():
         before = model(batch)
         for b, r in [(0, 5), (0, 8), (1, 7)]:  # test rows (table 0 has 5 train rows, table 1 has 6)
@@ -153,8 +180,9 @@ def test_changing_a_test_row_moves_no_other_row(task):
         assert not torch.allclose(after[1, 6:], before[1, 6:])
 
 
-def test_permuting_test_rows_permutes_their_predictions():
-    model, batch = tiny_model(), make_batch()
+@pytest.mark.parametrize("column", COLUMN_STAGES)
+def test_permuting_test_rows_permutes_their_predictions(column):
+    model, batch = tiny_model(**COLUMN_STAGES[column]), make_batch()
     perm = torch.tensor([0, 1, 2, 3, 4, 5, 9, 7, 6, 8])  # table 1: train rows 0..5 stay, test rows shuffled
     fields = {}
     for name, t in batch.tensors().items():
