@@ -21,6 +21,8 @@ its row with the reason and the script carries on, so a GPU lease never ends wit
     python benchmarks/gpu_pretrain.py                       # on a GPU: tiny/small/base, 16 x 1024 x {32, 64}
     python benchmarks/gpu_pretrain.py --cpu-smoke           # on CPU (the default there): tiny shapes, seconds
     python benchmarks/gpu_pretrain.py --presets small --features 64 --precisions bf16 bf16+compile --sections model
+    python benchmarks/gpu_pretrain.py --presets small small_wide small_inducing --rows 4096 --features 32 \
+        --precisions bf16 --sections model          # column-stage presets (issue 12.3): full vs inducing, heads 8 vs 16
 
 The machine (device name, torch version, CPU count, load average) is printed first.
 """
@@ -400,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> torch.device:
     """The device, and every shape flag not given filled from the GPU or the CPU (smoke) defaults."""
+    from tabfm.model import ModelConfig
+
     if args.cpu_smoke:
         args.device = "cpu"
     if args.device == "auto":
@@ -411,6 +415,11 @@ def resolve(args: argparse.Namespace) -> torch.device:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.e2e_preset = args.e2e_preset or args.presets[-1]
+    for name in {*args.presets, args.e2e_preset}:  # a typo fails here, not after minutes of a lease
+        try:
+            ModelConfig.load(name)  # a preset of configs/model (tiny ... small_wide, small_inducing) or a YAML file
+        except ValueError as e:
+            raise SystemExit(f"--presets / --e2e-preset: {e}") from None
     args.e2e_precision = args.e2e_precision or ("bf16" if args.device == "cuda" else "fp32")
     args.e2e_workers = max(args.loader_workers) if args.e2e_workers is None else args.e2e_workers
     return torch.device(args.device)

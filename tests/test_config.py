@@ -43,7 +43,7 @@ def test_shipped_run_configs_load_as_runs_and_as_plans(path):
 
 
 def test_shipped_presets_and_plan_configs_load():
-    assert preset_names("model") == ["base", "large", "small", "tiny"]
+    assert preset_names("model") == ["base", "large", "small", "small_inducing", "small_wide", "tiny"]
     sizes = [ModelConfig.load(name).embed_dim for name in ("tiny", "small", "base")]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
     for path in sorted((ROOT / "configs" / "plan").glob("*.yaml")):
@@ -145,7 +145,7 @@ def test_a_bad_key_of_a_preset_file_names_that_file(tmp_path):
     run.write_text(f"model: {{preset: {model}}}\n")
     assert _error(load_config, run) == f"model.embed_dim=16 is not divisible by axial_heads=3 (in {model})"
     assert _error(load_config, TINY, ["model=huge"]) == \
-        "unknown model preset 'huge'; presets: base, large, small, tiny, or a path to a .yaml file (from --set model=huge)"
+        "unknown model preset 'huge'; presets: base, large, small, small_inducing, small_wide, tiny, or a path to a .yaml file (from --set model=huge)"
     assert _error(ModelConfig.load, tmp_path / "gone.yaml").startswith(f"model config file {tmp_path / 'gone.yaml'} "
                                                                         "does not exist; presets: base")
 

@@ -9,6 +9,7 @@ column padding, the per-table train-row masks and the sequence padding to a mult
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -298,7 +299,27 @@ def test_presets_load_and_bad_configs_are_refused():
         ModelConfig.from_dict({"embed_dimension": 8})
     with pytest.raises(ValueError, match="not divisible by axial_heads"):
         ModelConfig(embed_dim=10, axial_heads=4)
-    with pytest.raises(ValueError, match="presets: base, large, small, tiny"):
+    with pytest.raises(ValueError, match="presets: base, large, small, small_inducing, small_wide, tiny"):
         ModelConfig.load("huge")
     with pytest.raises(ValueError, match="max_columns"):
         tiny_model(max_columns=3)(make_batch())
+    with pytest.raises(ValueError, match="column_attention must be one of full, inducing, got 'linear'"):
+        ModelConfig(column_attention="linear")
+    with pytest.raises(ValueError, match="num_inducing must be a positive number"):
+        ModelConfig(column_attention="inducing", num_inducing=0)
+
+
+def test_wide_and_inducing_presets_and_the_meshes_they_fit():
+    """small_wide: small's widths with 2 axial heads of 16 (meshes of 1 or 2 ranks); small_inducing: small with 32
+    inducing tokens per column (every mesh of up to 4 ranks, as small). A full-attention config's dict, and so its
+    checkpoints, carries no column-stage settings (as before the option); an inducing one's does, and round-trips."""
+    from tabfm.layout import fitting_layouts
+
+    small, wide, inducing = (ModelConfig.load(n) for n in ("small", "small_wide", "small_inducing"))
+    assert (wide.embed_dim, wide.axial_heads, wide.icl_dim // wide.icl_heads) == (32, 2, 32)
+    assert inducing == dataclasses.replace(small, column_attention="inducing", num_inducing=32)
+    meshes = lambda cfg, n: {(p.d0, p.d1) for p in fitting_layouts(cfg, n) if p.dp == 1}  # noqa: E731
+    assert meshes(wide, 2) == {(1, 2), (2, 1)} and meshes(wide, 4) == set()
+    assert meshes(inducing, 4) == meshes(small, 4) == {(1, 4), (2, 2), (4, 1)}
+    assert "column_attention" not in small.to_dict() and ModelConfig.from_dict(small.to_dict()) == small
+    assert ModelConfig.from_dict(inducing.to_dict()) == inducing
