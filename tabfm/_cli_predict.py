@@ -69,8 +69,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-rows", type=int, default=100_000,
                    help="test rows read (and held) at a time: memory is bounded by this, not by the test table")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
-                   help="model dtype (default: float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                   help="the weights' dtype (default: float32; bfloat16 compute is --precision bf16)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="bf16: bfloat16 autocast over float32 weights; auto (default): bf16 on CUDA, fp32 elsewhere")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun) to shard the model over")
     p.add_argument("--layout", type=parse_layout, default=None,
                    help="tensor-parallel mesh d0xd1 for --nproc (default: nproc x 1)")
@@ -226,7 +228,7 @@ def fit(args: argparse.Namespace, X, y, task: str):
     tp = (args.layout or (world, 1)) if world > 1 and args.data_parallel == 1 else None
     kwargs = dict(n_estimators=args.n_estimators, local_context_rows=args.local_context_rows or None,
                   checkpoint=args.checkpoint, batch_size=args.batch_size,
-                  device=args.device, dtype=args.dtype, tensor_parallel=tp,
+                  device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)

@@ -14,7 +14,8 @@ pretrained model is not invariant to and their average is better than any one of
                  binary column; columns of more than ONEHOT_MAX_CATEGORIES categories, or a view that would pass
                  the model's column limit, stay "embed")
 
-`member_cells` turns a member and the cells of some rows into the arrays the model takes.
+`member_cells` turns a member and the cells of some rows into the arrays the model takes; `class_codes` draws the
+members' class ids (a permutation each, or with more classes than the model's head, groups of classes).
 """
 
 from __future__ import annotations
@@ -152,3 +153,18 @@ def member_cells(pre: TablePreprocessor, cells: Cells, member: Member, scaled: n
             is_cat.append(True)
             n_cats.append(int(cells.n_cats[c]))
     return MemberCells(np.stack(values, 1), np.stack(codes, 1), np.asarray(is_cat, bool), np.asarray(n_cats, np.int64))
+
+
+def class_codes(n_classes: int, n_groups: int, n_codes: int, rng: np.random.Generator) -> np.ndarray:
+    """[n_codes, n_classes] group of each class per code: balanced random codes (a permutation when
+    n_classes <= n_groups), redrawn until every pair of classes is separated by at least one code."""
+    if n_classes <= n_groups:
+        return np.stack([np.arange(n_classes)] + [rng.permutation(n_classes) for _ in range(n_codes - 1)])
+    for _ in range(100):
+        codes = np.empty((n_codes, n_classes), np.int64)
+        for m in range(n_codes):
+            codes[m, rng.permutation(n_classes)] = np.arange(n_classes) % n_groups
+        same = (codes[:, :, None] == codes[:, None, :]).all(0)
+        if same.sum() == n_classes:  # only the diagonal: all pairs separated
+            return codes
+    raise RuntimeError(f"could not separate {n_classes} classes with {n_codes} codes of {n_groups} groups")

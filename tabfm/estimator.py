@@ -40,16 +40,17 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import Member, draw_members, member_cells, member_width
+from tabfm.ensemble import Member, class_codes, draw_members, member_cells, member_width  # noqa: F401 (re-exported)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
+from tabfm.inference_precision import inference_autocast, resolve_precision, resolve_weight_dtype
 from tabfm.linear_base import LogisticModel
 from tabfm.local_context import LocalContexts
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
-                              resolve_dtype, torch_threads)
+                              torch_threads)
 
 CONTEXT_CELL_BUDGET = 1 << 20
 """Most train cells (rows x columns x contexts) encoded in one forward: how many contexts share a forward at fit.
@@ -86,21 +87,6 @@ _BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _V
 _BASE_CONSTRAINTS.pop("calibrate")
 
 
-def class_codes(n_classes: int, n_groups: int, n_codes: int, rng: np.random.Generator) -> np.ndarray:
-    """[n_codes, n_classes] group of each class per code: balanced random codes (a permutation when
-    n_classes <= n_groups), redrawn until every pair of classes is separated by at least one code."""
-    if n_classes <= n_groups:
-        return np.stack([np.arange(n_classes)] + [rng.permutation(n_classes) for _ in range(n_codes - 1)])
-    for _ in range(100):
-        codes = np.empty((n_codes, n_classes), np.int64)
-        for m in range(n_codes):
-            codes[m, rng.permutation(n_classes)] = np.arange(n_classes) % n_groups
-        same = (codes[:, :, None] == codes[:, None, :]).all(0)
-        if same.sum() == n_classes:  # only the diagonal: all pairs separated
-            return codes
-    raise RuntimeError(f"could not separate {n_classes} classes with {n_codes} codes of {n_groups} groups")
-
-
 def _padded_chunks(counts: list[int], slack: float = 1.5) -> list[np.ndarray]:
     """Tables (positions in `counts`, the test rows routed to each) grouped for one padded forward each: largest
     first, a group grows while its padded rows (size x its largest count) stay within `slack` x its real rows.
@@ -127,7 +113,7 @@ class _TabFMBase(BaseEstimator):
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
-                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256):
         self.n_estimators = n_estimators
@@ -140,6 +126,7 @@ class _TabFMBase(BaseEstimator):
         self.batch_size = batch_size
         self.device = device
         self.dtype = dtype
+        self.precision = precision
         self.tensor_parallel = tensor_parallel
         self.sequence_parallel = sequence_parallel
         self.random_state = random_state
@@ -161,7 +148,8 @@ class _TabFMBase(BaseEstimator):
         """Check the parameters and load the model, once per fit, as `model_` (before anything is learnt from the
         data); every later step of fit and predict uses it."""
         self.device_ = resolve_device(self.device)
-        self.dtype_ = resolve_dtype(self.dtype)
+        self.dtype_ = resolve_weight_dtype(self.dtype)
+        self.precision_ = resolve_precision(self.precision, self.dtype_, self.device_)
         self.__dict__.pop("model_", None)  # a refit loads afresh: the checkpoint, device or layout may have changed
         return self._model()
 
@@ -286,12 +274,18 @@ class _TabFMBase(BaseEstimator):
             labels = torch.from_numpy(np.stack([
                 self._member_labels(self.context_members_[u], self.y_train_[self.context_rows_[u]]) for u in units]))
             batch = self._batch(parts, labels, self.context_rows_.shape[1], self._n_outputs())
-            contexts.append((units, encode_context(model, batch)))
+            with self._autocast():
+                contexts.append((units, encode_context(model, batch)))
         self.contexts_ = contexts
         self._contexts_encoded()
 
     def _contexts_encoded(self) -> None:
         """Hook: what a subclass reads from freshly encoded contexts."""
+
+    def _autocast(self):
+        """The context model forwards run in: bf16 autocast with precision_ "bf16" (tabfm.inference_precision);
+        an estimator pickled before precision existed was fitted in fp32."""
+        return inference_autocast(getattr(self, "precision_", "fp32"), self.device_)
 
     # -- predict -----------------------------------------------------------------------------------------
 
@@ -353,7 +347,9 @@ class _TabFMBase(BaseEstimator):
         if self._task == "regression":
             labels = labels.to(self.dtype_)
         batch = self._batch(parts, labels, 0, self._n_outputs())
-        logits = predict_logits(model, context, batch).double()  # decoded in float64 whatever the model's dtype
+        with self._autocast():
+            logits = predict_logits(model, context, batch)
+        logits = logits.double()  # decoded in float64 whatever the model's dtype or precision
         return self._decode_member(model, context, logits).cpu().numpy()
 
     _UNSTORED = ("model_",)
@@ -409,7 +405,12 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     batch_size : int, default=1024
         Test rows per forward; bounds predict's memory.
     device : {"cpu", "cuda", "auto"}, default="cpu"
-    dtype : {"float32", "float64", "bfloat16"}, default="float32"
+    dtype : {"float32", "float64"}, default="float32"
+        The weights' dtype; float64 is the exact reference (tests). "bfloat16" is refused: use precision="bf16".
+    precision : {"auto", "fp32", "bf16"}, default="auto"
+        "bf16": the model's forwards under torch.autocast to bfloat16 with float32 weights, keys/values cached in
+        bfloat16 (half the memory); the probabilities after the model stay float64. "auto": bf16 on CUDA, fp32
+        elsewhere (tabfm.inference_precision; README, "Inference speed and memory").
     tensor_parallel : (d0, d1) or None, default=None
         Split the model over a d0 x d1 mesh of processes launched by torchrun.
     sequence_parallel : bool, default=True
@@ -449,14 +450,15 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
-                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256, average: str = "probability",
                  softmax_temperature: float = 1.0, calibrate: bool = True, linear_blend: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
-                         batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                         batch_size=batch_size, device=device, dtype=dtype, precision=precision,
+                         tensor_parallel=tensor_parallel,
                          sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
                          n_jobs=n_jobs, local_context_rows=local_context_rows)
         self.average = average

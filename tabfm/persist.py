@@ -32,8 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
-"""2: contexts per member may be local (context_members_, local_); version 1 files are refused."""
+FORMAT_VERSION = 3
+"""2: contexts per member may be local (context_members_, local_); version 1 files are refused.
+3: the `precision` parameter and `precision_` (tabfm.inference_precision; bf16 caches hold bfloat16 keys/values).
+Version 2 files are still read, as precision "fp32" (they were fitted without autocast), except those of
+dtype="bfloat16" (bfloat16 weights), which are refused: refit them with precision="bf16"."""
+READABLE_VERSIONS = (2, FORMAT_VERSION)
 META_FILE = "estimator.json"
 ARRAYS_FILE = "arrays.safetensors"
 
@@ -303,10 +307,10 @@ def _read_meta(folder: Path, cls: type) -> dict[str, Any]:
                          "again") from None
     if not isinstance(meta, dict) or "format_version" not in meta or not isinstance(meta.get("arrays"), dict):
         raise ValueError(f"{str(file)!r} is not a tabfm estimator file (no format_version or arrays table)")
-    if meta["format_version"] != FORMAT_VERSION:
+    if meta["format_version"] not in READABLE_VERSIONS:
         raise ValueError(f"{str(folder)!r} was saved in format version {meta['format_version']!r} but this tabfm "
-                         f"({_tabfm_version()}) reads version {FORMAT_VERSION}: load it with the tabfm that saved "
-                         f"it (tabfm {meta.get('tabfm_version')}), or fit and save it again")
+                         f"({_tabfm_version()}) reads version {FORMAT_VERSION} (and 2): load it with the tabfm that "
+                         f"saved it (tabfm {meta.get('tabfm_version')}), or fit and save it again")
     if meta.get("class") != cls.__name__:
         raise ValueError(f"{str(folder)!r} holds a {meta.get('class')}, not a {cls.__name__}: load it with "
                          f"{meta.get('class')}.load")
@@ -359,6 +363,16 @@ def _load_device(device: str | torch.device | None, saved: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _from_version_2(params: dict[str, Any], attributes: dict[str, Any]) -> None:
+    """A version 2 estimator as version 3 reads it: fitted in fp32 (no autocast then); bfloat16 weights refused."""
+    if params.get("dtype") in ("bfloat16", "float16"):
+        raise ValueError(f"it was fitted with dtype={params['dtype']!r} (weights cast to {params['dtype']}), which "
+                         "this tabfm no longer runs: fit it again with precision='bf16' (float32 weights, bfloat16 "
+                         "autocast) and save it")
+    params.setdefault("precision", "fp32")
+    attributes.setdefault("precision_", "fp32")
+
+
 def load_estimator(cls: type, path: str | Path, device: str | torch.device | None = None) -> Any:
     """The fitted estimator saved at `path` by save_estimator, its caches on `device`, ready to predict."""
     folder = Path(path)
@@ -372,6 +386,8 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         decoder = _Decoder(arrays, target)
         params = decoder.decode(meta["params"])
         attributes = decoder.decode(attributes_node)
+        if meta["format_version"] == 2:
+            _from_version_2(params, attributes)
         est = cls(**params)
     except ValueError as e:
         raise ValueError(f"cannot load {str(folder)!r}: {e}") from None

@@ -47,14 +47,15 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
-                 dtype: str = "float32", tensor_parallel: tuple[int, int] | None = None,
+                 dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
                  sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256,
                  target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
-                         batch_size=batch_size, device=device, dtype=dtype, tensor_parallel=tensor_parallel,
+                         batch_size=batch_size, device=device, dtype=dtype, precision=precision,
+                         tensor_parallel=tensor_parallel,
                          sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
                          n_jobs=n_jobs, local_context_rows=local_context_rows)
         self.target_transforms = target_transforms

@@ -2,7 +2,8 @@
 
     parameters   ESTIMATOR_PARAMETER_CONSTRAINTS: scikit-learn's `_parameter_constraints` for the estimators'
                  constructor arguments (types and ranges; `_validate_params()` reports a bad one by name), then
-                 resolve_device / resolve_dtype for the values a type cannot rule out ("gpu", "meta", int64)
+                 resolve_device for the values a type cannot rule out ("gpu", "meta"); the dtype and precision
+                 values (dtype="bfloat16" refused, naming precision) in tabfm.inference_precision
     class labels check_class_labels(y): 1-D, no missing label (None, NaN, pd.NA, NaT), one kind of label
                  (strings, numbers or booleans: never a mix, whose sort order and equality would be a guess)
     threads      torch_threads(n_jobs): torch's (and BLAS's) thread count for the length of a block, restored after
@@ -23,10 +24,12 @@ from sklearn.utils._param_validation import Interval, Options, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
+from tabfm.inference_precision import PRECISIONS
 from tabfm.preprocess import _is_missing
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The floating-point types the model runs in, by name."""
+"""The dtype values the constraints let through: bfloat16 and float16 reach resolve_weight_dtype, whose message
+names precision="bf16" (scikit-learn's would only list the options)."""
 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 """torch device types the model can run on (when present on the machine)."""
@@ -49,7 +52,8 @@ ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
     "max_context_rows": [_PositiveInt(), None],
     "batch_size": [_PositiveInt()],
     "device": [str, torch.device],  # the value is checked by resolve_device, with advice for "gpu" and "meta"
-    "dtype": [StrOptions(set(DTYPES)), Options(torch.dtype, set(DTYPES.values()))],
+    "dtype": [StrOptions(set(DTYPES), deprecated={"bfloat16", "float16"}), Options(torch.dtype, set(DTYPES.values()))],
+    "precision": [StrOptions(set(PRECISIONS))],
     "tensor_parallel": [tuple, list, None],
     "sequence_parallel": ["boolean"],
     "random_state": [_PositiveInt(0), None],  # numpy's default_rng: non-negative seeds only
@@ -86,18 +90,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"device={device!r} but this machine has {count} {dev.type} device(s), numbered from 0")
     return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The floating-point torch dtype the model runs in, from a name ("float32") or a torch.dtype."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype={dtype} is not a type the model computes in: use one of {', '.join(DTYPES)} "
-                         "(a name or the torch.dtype)")
-    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or the torch.dtype of one, got {dtype!r}")
 
 
 def _label_kind(v: Any) -> str:

@@ -86,6 +86,19 @@ def test_predict_errors(tables, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_precision_bf16_is_close_to_fp32_and_bfloat16_weights_are_gone(tables, capsys):
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--proba", "--n-estimators", "1"]
+    assert main([*argv, "-o", str(tables / "fp32.csv"), "--precision", "fp32"]) == 0
+    assert main([*argv, "-o", str(tables / "bf16.csv"), "--precision", "bf16"]) == 0
+    fp32, bf16 = (pl.read_csv(tables / f"{p}.csv").select(pl.selectors.starts_with("proba_")).to_numpy()
+                  for p in ("fp32", "bf16"))
+    assert np.abs(fp32 - bf16).max() <= 2.0 ** -6  # tests/test_inference_precision.py: why this tolerance
+    with pytest.raises(SystemExit):
+        main([*argv, "--dtype", "bfloat16"])
+    assert "invalid choice: 'bfloat16'" in capsys.readouterr().err
+
+
 def test_predict_sharded_under_torchrun_equals_one_process(tables):
     common = ["--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
               "--proba", "--dtype", "float64", "--n-estimators", "2"]

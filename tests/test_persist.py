@@ -144,6 +144,42 @@ def test_another_format_version_is_refused(copy_of):
         TabFMClassifier.load(copy_of)
 
 
+def test_bf16_estimator_round_trips_its_precision_and_bfloat16_caches(tmp_path, monkeypatch):
+    X = table(80)
+    y = np.where(X["x"].fillna(0) + (X["colour"] == "red") > 0.3, "yes", "no")
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, precision="bf16").fit(X[:60], y[:60])
+    clf.save(tmp_path / "bf16")
+    meta = json.loads((tmp_path / "bf16" / META_FILE).read_text())
+    assert meta["format_version"] == FORMAT_VERSION == 3 and meta["params"]["fields"]["precision"] == "bf16"
+    no_encoding(monkeypatch)
+    loaded = TabFMClassifier.load(tmp_path / "bf16")
+    assert (loaded.precision, loaded.precision_) == ("bf16", "bf16")
+    assert loaded.contexts_[0][1].caches[0].k.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model_.parameters()} == {torch.float32}
+    np.testing.assert_array_equal(loaded.predict_proba(X[60:]), clf.predict_proba(X[60:]))
+
+
+def _as_version_2(meta: dict) -> None:
+    """What tabfm wrote before precision existed: format version 2, no precision parameter or attribute."""
+    meta["format_version"] = 2
+    del meta["params"]["fields"]["precision"], meta["attributes"]["fields"]["precision_"]
+
+
+def test_version_2_files_load_as_fp32(copy_of, fitted_classifier, monkeypatch):
+    _edit_json(copy_of, _as_version_2)
+    no_encoding(monkeypatch)
+    loaded = TabFMClassifier.load(copy_of)
+    assert (loaded.precision, loaded.precision_) == ("fp32", "fp32")
+    clf, X_test = fitted_classifier
+    np.testing.assert_array_equal(loaded.predict_proba(X_test), clf.predict_proba(X_test))
+
+
+def test_version_2_files_of_bfloat16_weights_are_refused(copy_of):
+    _edit_json(copy_of, lambda meta: (_as_version_2(meta), meta["params"]["fields"].update(dtype="bfloat16")))
+    with pytest.raises(ValueError, match="fitted with dtype='bfloat16' .* fit it again with precision='bf16'"):
+        TabFMClassifier.load(copy_of)
+
+
 def test_a_classifier_is_not_loaded_as_a_regressor(saved_classifier):
     with pytest.raises(ValueError, match="holds a TabFMClassifier, not a TabFMRegressor"):
         TabFMRegressor.load(saved_classifier)

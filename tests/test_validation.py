@@ -19,13 +19,12 @@ from threadpoolctl import threadpool_info
 
 from tabfm.estimator import TabFMClassifier
 from tabfm.preprocess import TablePreprocessor, _raw_column
-from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, resolve_dtype,
-                              torch_threads)
+from tabfm.validation import ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, torch_threads
 
 # -- parameters ---------------------------------------------------------------------------------------------
 
 PARAMETERS = {"n_estimators": 4, "checkpoint": None, "categorical_features": "auto", "max_context_rows": None,
-              "batch_size": 1024, "device": "cpu", "dtype": "float32", "tensor_parallel": None,
+              "batch_size": 1024, "device": "cpu", "dtype": "float32", "precision": "auto", "tensor_parallel": None,
               "sequence_parallel": True, "random_state": 0, "verbose": False, "calibrate": True, "n_jobs": None}
 
 
@@ -57,7 +56,7 @@ def test_constraints_cover_the_estimator_parameters():
     ("n_estimators", 3), ("n_estimators", np.int64(2)), ("max_context_rows", 10), ("batch_size", 1),
     ("checkpoint", "model.safetensors"), ("checkpoint", Path("m")),
     ("categorical_features", [0, "colour"]), ("device", "cuda:1"), ("device", torch.device("cpu")),
-    ("dtype", "bfloat16"), ("dtype", torch.float64), ("tensor_parallel", (2, 1)), ("random_state", None),
+    ("dtype", "bfloat16"), ("dtype", torch.float64), ("precision", "bf16"), ("tensor_parallel", (2, 1)), ("random_state", None),
     ("random_state", 2**40), ("verbose", 1), ("n_jobs", -1), ("n_jobs", 2),
 ])
 def test_good_parameters_pass(name, value):
@@ -67,7 +66,7 @@ def test_good_parameters_pass(name, value):
 @pytest.mark.parametrize("name, value", [
     ("n_estimators", 0), ("n_estimators", True), ("n_estimators", "4"), ("n_estimators", 2.0),
     ("batch_size", 0), ("max_context_rows", -5), ("random_state", -1), ("random_state", np.random.RandomState(0)),
-    ("dtype", torch.int64), ("dtype", "int8"), ("device", 0), ("checkpoint", 3), ("tensor_parallel", 5),
+    ("dtype", torch.int64), ("dtype", "int8"), ("precision", "bfloat16"), ("device", 0), ("checkpoint", 3), ("tensor_parallel", 5),
     ("sequence_parallel", "yes"), ("calibrate", None), ("categorical_features", "all"), ("n_jobs", 0),
     ("n_jobs", -2), ("n_jobs", "2"), ("n_jobs", True),
 ])
@@ -92,14 +91,6 @@ def test_resolve_device_accepts_cpu_and_auto():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no cuda device; use device='cpu' or 'auto'"):
             resolve_device("cuda")
-
-
-def test_resolve_dtype():
-    assert resolve_dtype("float64") is torch.float64 and resolve_dtype(torch.bfloat16) is torch.bfloat16
-    with pytest.raises(ValueError, match="torch.int64 is not a type the model computes in: use one of float32"):
-        resolve_dtype(torch.int64)
-    with pytest.raises(ValueError, match="dtype must be one of float32, .* got 'int8'"):
-        resolve_dtype("int8")
 
 
 # -- class labels -------------------------------------------------------------------------------------------
