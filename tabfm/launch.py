@@ -77,10 +77,12 @@ def _check_round_trip(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def torchrun_command(module: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> list[str]:
-    """torchrun starting `nproc` ranks of `python -m module argv` on this machine."""
+    """torchrun starting `nproc` ranks of `python -m module argv` on this machine. `--standalone`: the
+    rendezvous takes a free port of its own, so two jobs on one machine never meet on torchrun's fixed default
+    port (29500), where the second would fail to start or join the first."""
     if nproc < 1 or max_restarts < 0:
         raise ValueError(f"nproc must be at least 1 and max_restarts at least 0, got {nproc} and {max_restarts}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
     return [*cmd, "-m", module, *argv]

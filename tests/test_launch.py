@@ -49,6 +49,7 @@ def test_demo_launcher_starts_torchrun_with_what_it_was_given(monkeypatch):
     assert cli.main(["demo", "--layout", "1x2", "--steps", "3", "--sequence-parallel"]) == 0
     (cmd, env), = started
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--max-restarts" not in cmd
+    assert "--standalone" in cmd  # a free rendezvous port: two jobs on one machine (or two test workers) never meet
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and env["OMP_NUM_THREADS"]
     ranks = _cli_demo.worker_parser().parse_args(cmd[cmd.index("tabfm._cli_demo") + 1:])
     assert (ranks.layout, ranks.steps, ranks.sequence_parallel, ranks.heads) == ((1, 2), 3, True, 8)
