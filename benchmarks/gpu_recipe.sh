@@ -4,6 +4,9 @@
 #   OUT=$OUT BUDGET_S=540 bash benchmarks/gpu_recipe.sh        # device run: carry [".whl"], timeout_s 590
 #
 #   1. the throughput table: benchmarks/gpu_pretrain.py $THROUGHPUT_ARGS, cut at THROUGHPUT_S (0 skips it);
+#      then the inference table: benchmarks/inference.py --gpu-table (fit + predict at 1k x 1k x 20,
+#      10k x 10k x 100, 50k x 1k x 100, fp32 and bf16 autocast), cut at INFERENCE_S (0, or a DEVICE other than
+#      cuda, skips it), rows written to $OUT/inference_gpu.txt as they come;
 #   2. one leg of the recipe (benchmarks/gpu_state.py leg): resume the state committed in benchmarks/gpu_state/
 #      (before the first leg: the shipped weights with a fresh optimizer), train stage by stage
 #      (configs/pretrain/gpu.yaml from step 0, gpu_stage2.yaml from step 1500) until EVAL_S + FINISH_S seconds
@@ -13,7 +16,8 @@
 #      new model, then of the shipped default, in what is left of EVAL_S (0 skips it: adopt then scores on CPU);
 #   4. $OUT: state.safetensors + state.json (the resumable state: weights, AdamW state, step and data position,
 #      leg history), model.safetensors (the candidate default), accuracy.csv + accuracy_default.csv,
-#      throughput.txt, logs.tar.gz (session, training and evaluation logs, metrics): 7 files of at most ~8 MB.
+#      throughput.txt, inference_gpu.txt, logs.tar.gz (session, training and evaluation logs, metrics): 8 files of
+#      at most ~8 MB.
 #
 # BUDGET_S counts from this script's start (the machine's start-up comes on top). Then, on the developer's
 # machine: python benchmarks/gpu_state.py adopt FILES --apply (README, "Default checkpoint").
@@ -28,6 +32,7 @@ WORK=${WORK:-/tmp/tabfm-recipe}
 DEVICE=${DEVICE:-cuda}
 THROUGHPUT_S=${THROUGHPUT_S:-150}
 THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small base --features 64"}
+INFERENCE_S=${INFERENCE_S:-90}      # the estimators' GPU table (benchmarks/inference.py --gpu-table); 0 skips it
 EVAL_S=${EVAL_S:-120}
 EVAL_TABLES=${EVAL_TABLES:-}        # accuracy.py --tables for both sides (default: all 56)
 FINISH_S=${FINISH_S:-45}            # stopping the trainer, the last pack and merge, the log archive
@@ -60,6 +65,14 @@ if [ "$THROUGHPUT_S" -gt 0 ]; then
     timeout -k 10 "$THROUGHPUT_S" python3 "$REPO/benchmarks/gpu_pretrain.py" --device "$DEVICE" $THROUGHPUT_ARGS \
         > "$OUT/throughput.txt" 2>&1
     log "throughput table: exit status $?"
+fi
+
+if [ "$INFERENCE_S" -gt 0 ] && [ "${DEVICE%%:*}" = cuda ]; then
+    log "inference table (at most $INFERENCE_S s): inference.py --gpu-table"
+    timeout -k 10 "$INFERENCE_S" python3 "$REPO/benchmarks/inference.py" --gpu-table --device "$DEVICE" \
+        --budget-s $((INFERENCE_S > 15 ? INFERENCE_S - 10 : INFERENCE_S)) --txt "$WORK/inference_gpu.txt" \
+        > "$OUT/inference_gpu.txt" 2>&1
+    log "inference table: exit status $?"
 fi
 
 deadline=$((START + BUDGET_S - EVAL_S - FINISH_S))

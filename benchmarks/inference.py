@@ -1,9 +1,12 @@
-"""In-context inference speed and memory of TabFMClassifier (shipped model, CPU, float32) on this machine.
+"""In-context inference speed and memory of TabFMClassifier (shipped model, CPU, float32) on this machine, and its
+precision: fp32 against bf16 autocast, on CPU and on a GPU.
 
     python benchmarks/inference.py [--estimators 1,4] [--repeats 3] [--sizes 1000,5000,10000,25000]
                                    [--with-100k] [--txt benchmarks/results/inference.txt]
                                    [--png benchmarks/results/inference_memory.png]
     python benchmarks/inference.py --long-contexts 10000,25000   [--txt benchmarks/results/inference_long.txt]
+    python benchmarks/inference.py --precision-compare [--device cpu] [--repeats 1]
+    python benchmarks/inference.py --gpu-table [--device cuda] [--budget-s 90] [--txt ...]   (benchmarks/gpu_recipe.sh)
 
 Speed: fit + predict_proba of 1,000 train x 1,000 test rows x 20 numeric features (make_classification,
 seed 0), best of --repeats after one warm-up per setting, for each n_estimators of --estimators and the
@@ -26,6 +29,17 @@ TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=2) on that many train ro
 of --test-rows rows), each in a fresh process: with local contexts (the default, tabfm.local_context), and up to
 GLOBAL_LIMIT rows with one global context (local_context_rows=None) encoded in one pass (--row-chunk 0, the code
 before tabfm.chunked) and in chunks of tabfm.chunked.ROW_CHUNK rows; only this section runs when it is given.
+
+Precision (--precision-compare; only this section runs): the default TabFMClassifier and TabFMRegressor at 1,000 x
+1,000 x 20, precision="fp32" beside precision="bf16" (torch.autocast to bfloat16, float32 weights;
+tabfm.inference_precision) in one run: fit and predict times, accuracy / R^2, the keys/values cache, and the
+largest and mean difference of the probabilities (classifier) or predictions over std(y) (regressor).
+
+GPU table (--gpu-table; only this section runs): the default classifier's fit + predict_proba at 1k x 1k x 20,
+10k x 10k x 100 and 50k x 1k x 100 on --device (cuda), fp32 and bf16, each size in a fresh process (--gpu-one) so
+an out-of-memory error or a crash costs one row; with peak device memory, the bf16 probabilities' difference to
+fp32 and, for the first size, the attention kernels a bf16 predict ran (torch.profiler). Rows are printed as they
+come; no size starts after --budget-s.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import make_classification
+from sklearn.datasets import make_classification, make_regression
 
 import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
@@ -68,10 +82,17 @@ class Log:
         self.lines.append(line)
 
 
-def make_data(n_train: int, n_test: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(X_train, y_train, X_test, y_test): a binary make_classification task with FEATURES numeric columns."""
-    X, y = make_classification(n_samples=n_train + n_test, n_features=FEATURES, n_informative=10, n_redundant=5,
+def make_data(n_train: int, n_test: int, seed: int = 0, features: int = FEATURES,
+              task: str = "classification") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(X_train, y_train, X_test, y_test): a binary make_classification task with `features` numeric columns (10
+    informative, 5 redundant), or with task="regression" a make_regression one (10 informative, noise 10)."""
+    informative = min(10, features)
+    if task == "regression":
+        X, y = make_regression(n_samples=n_train + n_test, n_features=features, n_informative=informative, noise=10.0,
                                random_state=seed)
+    else:
+        X, y = make_classification(n_samples=n_train + n_test, n_features=features, n_informative=informative,
+                                   n_redundant=min(5, features - informative), random_state=seed)
     return X[:n_train], y[:n_train], X[n_train:], y[n_train:]
 
 
@@ -296,6 +317,169 @@ def long_context_section(log: Log, sizes: list[int], test_rows: int) -> None:
                 f"{p['peak'] / GIB:>8.3f} {(p['peak'] - p['base']) / GIB:>9.3f} {p['cache'] / GIB:>12.3f}")
 
 
+# -- precision: fp32 against bf16 autocast, and the GPU table ------------------------------------------------
+
+GPU_SIZES = ((1000, 1000, 20), (10_000, 10_000, 100), (50_000, 1000, 100))
+"""(train rows, test rows, features) of --gpu-table (issue 15)."""
+PRECISIONS = ("fp32", "bf16")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_precision(task: str, data: tuple, precision: str, device: torch.device, repeats: int) -> dict:
+    """Fit + predict of the default estimator (TabFMClassifier, or TabFMRegressor for task="regression") at one
+    precision after a small warm-up fit: best total of `repeats`; its outputs (probabilities or predictions), its
+    score (accuracy or R^2), the keys/values cache and, on CUDA, the peak device memory."""
+    from tabfm.regressor import TabFMRegressor
+
+    Est = TabFMRegressor if task == "regression" else TabFMClassifier
+    X_train, y_train, X_test, y_test = data
+    warm = make_data(200, 50, seed=1, features=X_train.shape[1], task=task)
+    Est(device=str(device), precision=precision).fit(warm[0], warm[1]).predict(warm[2])  # load, first kernels
+    best = None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        est = Est(device=str(device), precision=precision)
+        t0 = time.perf_counter()
+        est.fit(X_train, y_train)
+        sync(device)
+        t1 = time.perf_counter()
+        out = est.predict(X_test) if task == "regression" else est.predict_proba(X_test)
+        t2 = time.perf_counter()
+        if best is None or t2 - t0 < best["fit_s"] + best["predict_s"]:
+            if task == "regression":
+                score = 1 - ((out - y_test) ** 2).sum() / ((y_test - y_test.mean()) ** 2).sum()
+            else:
+                score = (est.classes_[out.argmax(1)] == y_test).mean()
+            best = {"fit_s": t1 - t0, "predict_s": t2 - t1, "out": out, "score": float(score),
+                    "cache": sum(c.nbytes() for _, c in est.contexts_),
+                    "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return best
+
+
+def precision_rows(log: Log, task: str, data: tuple, device: torch.device, repeats: int) -> dict:
+    """fp32 and bf16 side by side for one table: a row each, then their difference; the runs by precision."""
+    runs = {p: run_precision(task, data, p, device, repeats) for p in PRECISIONS}
+    scale = 1.0 if task == "classification" else float(np.std(data[3]))
+    diff = np.abs(runs["fp32"]["out"] - runs["bf16"]["out"]) / scale
+    for p, r in runs.items():
+        peak = "" if r["peak"] is None else f" {r['peak'] / GIB:>8.2f}"
+        log(f"{task[:5]:>5} {p:>5} {r['fit_s']:>8.3f} {r['predict_s']:>9.3f} {r['fit_s'] + r['predict_s']:>8.3f} "
+            f"{r['score']:>7.4f} {r['cache'] / (1 << 20):>9.1f}{peak}")
+    total = {p: r["fit_s"] + r["predict_s"] for p, r in runs.items()}
+    if task == "classification":
+        same = np.mean(runs["fp32"]["out"].argmax(1) == runs["bf16"]["out"].argmax(1))
+        what, extra = "|dp|", f"; same predicted class {same:.4f}"
+    else:
+        what, extra = "|d pred| / std(y)", ""
+    log(f"{'':>5} bf16 against fp32: max {what} {diff.max():.2e}, mean {diff.mean():.2e}{extra}; "
+        f"time fp32 / bf16 = {total['fp32'] / total['bf16']:.2f}x")
+    return runs
+
+
+def precision_header(log: Log, device: torch.device) -> None:
+    peak = f" {'peak GiB':>8}" if device.type == "cuda" else ""
+    log(f"{'task':>5} {'prec':>5} {'fit s':>8} {'predict s':>9} {'total s':>8} {'score':>7} {'kv MiB':>9}{peak}")
+
+
+def precision_section(log: Log, device: torch.device, repeats: int) -> None:
+    """--precision-compare: the default classifier and regressor at 1,000 x 1,000 x 20, fp32 against bf16."""
+    log(f"precision: default TabFMClassifier / TabFMRegressor on {device}, 1,000 train x 1,000 test rows x "
+        f"{FEATURES} features (make_classification / make_regression, seed 0), fp32 and precision='bf16' "
+        f"(torch.autocast, float32 weights); best of {repeats} after a warm-up; score = accuracy / R^2")
+    precision_header(log, device)
+    for task in ("classification", "regression"):
+        precision_rows(log, task, make_data(1000, 1000, task=task), device, repeats)
+
+
+def attention_kernels(device: torch.device) -> str:
+    """The CUDA kernels of one bf16 predict whose names say attention (flash / memory-efficient / math)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    X, y, X_test, _ = make_data(300, 100)
+    est = TabFMClassifier(n_estimators=1, device=str(device), precision="bf16").fit(X, y)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        est.predict_proba(X_test)
+    names = {e.key for e in prof.key_averages() if any(w in e.key.lower() for w in ("flash", "fmha", "attention",
+                                                                                     "efficient"))}
+    return ", ".join(sorted(names)[:4]) or "none named attention"
+
+
+def gpu_one(n_train: int, n_test: int, features: int, device: torch.device) -> dict:
+    """Run in a fresh process (--gpu-one): the default classifier's fit + predict at fp32 and bf16 on `device`;
+    an out-of-memory run is reported as such and the other still runs."""
+    data = make_data(n_train, n_test, features=features)
+    out: dict = {"size": [n_train, n_test, features],
+                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)}
+    probs = {}
+    for p in PRECISIONS:
+        try:
+            r = run_precision("classification", data, p, device, repeats=2 if n_train <= 1000 else 1)
+        except torch.cuda.OutOfMemoryError as e:
+            out[p] = {"error": f"out of memory ({str(e).splitlines()[0][:80]})"}
+            continue
+        probs[p] = r.pop("out")
+        out[p] = r
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if len(probs) == 2:
+        d = np.abs(probs["fp32"] - probs["bf16"])
+        out["max_dp"], out["mean_dp"] = float(d.max()), float(d.mean())
+        out["same_argmax"] = float(np.mean(probs["fp32"].argmax(1) == probs["bf16"].argmax(1)))
+    if n_train <= 1000 and device.type == "cuda":
+        try:
+            out["kernels"] = attention_kernels(device)
+        except Exception as e:  # the profiler is a nicety: never lose the table for it
+            out["kernels"] = f"profiler failed: {type(e).__name__}"
+    return out
+
+
+def gpu_table_section(log: Log, device: str, budget_s: float, sizes: tuple = GPU_SIZES) -> None:
+    """--gpu-table: each (train, test, features) of `sizes` in a fresh process (an OOM or a crash costs one row);
+    no size starts after budget_s, and a running one is stopped there."""
+    log(f"GPU table: default TabFMClassifier (n_estimators=4, calibrated, local contexts) on {device}, fit + "
+        "predict_proba, fp32 (IEEE float32 matmuls) and precision='bf16' (autocast, float32 weights); each size in "
+        "a fresh process after a warm-up fit; 1,000-row case best of 2")
+    log(f"{'train':>7} {'test':>6} {'feat':>4} {'prec':>5} {'fit s':>8} {'predict s':>9} {'total s':>8} {'acc':>6} "
+        f"{'kv GiB':>7} {'peak GiB':>8} {'max|dp|':>8} {'mean|dp|':>8}")
+    end, named = time.perf_counter() + budget_s, set()
+    for n_train, n_test, features in sizes:
+        left = end - time.perf_counter()
+        head = f"{n_train:>7} {n_test:>6} {features:>4}"
+        if left < 5:
+            log(f"{head}  skipped: the {budget_s:g} s budget is spent")
+            continue
+        cmd = [sys.executable, __file__, "--gpu-one", f"{n_train},{n_test},{features}", "--device", device]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            log(f"{head}  stopped after {left:.0f} s (the budget's end)")
+            continue
+        if done.returncode != 0:
+            log(f"{head}  failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1][:100]}")
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        if r.get("device_name") not in named:
+            named.add(r.get("device_name"))
+            log(f"{'':>7} device: {r.get('device_name')}")
+        for p in PRECISIONS:
+            x = r[p]
+            if "error" in x:
+                log(f"{head} {p:>5}  {x['error']}")
+                continue
+            dp = f" {r['max_dp']:>8.1e} {r['mean_dp']:>8.1e}" if p == "bf16" and "max_dp" in r else ""
+            peak = x["peak"] / GIB if x["peak"] is not None else float("nan")
+            log(f"{head} {p:>5} {x['fit_s']:>8.3f} {x['predict_s']:>9.3f} {x['fit_s'] + x['predict_s']:>8.3f} "
+                f"{x['score']:>6.3f} {x['cache'] / GIB:>7.3f} {peak:>8.2f}{dp}")
+        if "kernels" in r:
+            log(f"{'':>7} bf16 attention kernels: {r['kernels']}")
+
+
 def plot(png: Path, x: np.ndarray, peak: np.ndarray, total: np.ndarray, mem_c: np.ndarray | None,
          time_c: np.ndarray | None) -> None:
     import matplotlib
@@ -337,12 +521,26 @@ def main() -> None:
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/inference_memory.png"), help="memory plot")
     p.add_argument("--long-contexts", default=None, metavar="ROWS,ROWS",
                    help="only the long-context runs at these context sizes, e.g. 10000,25000 (one pass and chunked)")
+    p.add_argument("--precision-compare", action="store_true",
+                   help="only fp32 against precision='bf16' (autocast) at 1,000 x 1,000 x 20, classifier and regressor")
+    p.add_argument("--gpu-table", action="store_true",
+                   help="only the GPU table: fit + predict at 1k x 1k x 20, 10k x 10k x 100, 50k x 1k x 100, fp32 and "
+                   "bf16, each size in a fresh process (prints as it goes; --txt is written at the end)")
+    p.add_argument("--device", default=None, help="device of --precision-compare (cpu) and --gpu-table (cuda)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="--gpu-table stops starting sizes after this")
+    p.add_argument("--gpu-sizes", default=None, metavar="TRAINxTESTxFEATURES,...",
+                   help="the --gpu-table sizes (default 1000x1000x20,10000x10000x100,50000x1000x100)")
+    p.add_argument("--gpu-one", default=None, help=argparse.SUPPRESS)  # internal: one size of the GPU table
     p.add_argument("--one-size", type=int, default=None, help=argparse.SUPPRESS)  # internal: one memory point
     p.add_argument("--long", action="store_true", help=argparse.SUPPRESS)  # internal: with LONG_PARAMS
     p.add_argument("--row-chunk", type=int, default=None, help=argparse.SUPPRESS)  # internal: 0 = one pass
     p.add_argument("--global-context", action="store_true", help=argparse.SUPPRESS)  # internal: no local contexts
     args = p.parse_args()
 
+    if args.gpu_one is not None:
+        n_train, n_test, features = (int(v) for v in args.gpu_one.split(","))
+        print(json.dumps(gpu_one(n_train, n_test, features, torch.device(args.device or "cuda"))))
+        return
     if args.one_size is not None:
         if args.row_chunk is not None:
             tabfm.chunked.ROW_CHUNK = args.row_chunk or sys.maxsize
@@ -353,7 +551,8 @@ def main() -> None:
         long_sizes = [int(s) for s in args.long_contexts.split(",")] if args.long_contexts else []
     except ValueError:
         p.error(f"--long-contexts takes comma-separated row counts such as 10000,25000, got {args.long_contexts!r}")
-    args.txt = args.txt or Path(f"benchmarks/results/inference{'_long' if long_sizes else ''}.txt")
+    mode = "_long" if long_sizes else "_precision" if args.precision_compare else "_gpu" if args.gpu_table else ""
+    args.txt = args.txt or Path(f"benchmarks/results/inference{mode}.txt")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.with_100k and TARGET_ROWS not in sizes:
         sizes.append(TARGET_ROWS)
@@ -366,6 +565,17 @@ def main() -> None:
         "(shared machine: absolute numbers move with the load)\n")
     if long_sizes:
         long_context_section(log, long_sizes, args.test_rows)
+        args.skip_speed = args.skip_memory = True
+    if args.precision_compare:
+        precision_section(log, torch.device(args.device or "cpu"), args.repeats)
+        args.skip_speed = args.skip_memory = True
+    if args.gpu_table:
+        try:
+            sizes = tuple(tuple(int(v) for v in size.split("x")) for size in args.gpu_sizes.split(",")) \
+                if args.gpu_sizes else GPU_SIZES
+        except ValueError:
+            p.error(f"--gpu-sizes takes sizes such as 1000x1000x20,50000x1000x100, got {args.gpu_sizes!r}")
+        gpu_table_section(log, args.device or "cuda", args.budget_s, sizes)
         args.skip_speed = args.skip_memory = True
     if not args.skip_speed:
         speed_section(log, [int(n) for n in args.estimators.split(",")], args.repeats)

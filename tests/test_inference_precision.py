@@ -111,3 +111,47 @@ def test_bfloat16_weights_are_refused_naming_precision(dtype):
     assert resolve_weight_dtype("float64") is torch.float64 and resolve_weight_dtype(torch.float32) is torch.float32
     with pytest.raises(ValueError, match="dtype must be one of float32, float64"):
         resolve_weight_dtype(torch.int64)
+
+
+def _inference_benchmark():
+    """benchmarks/inference.py as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "inference.py"
+    spec = importlib.util.spec_from_file_location("inference_benchmark", path)
+    module = sys.modules["inference_benchmark"] = importlib.util.module_from_spec(spec)  # dataclasses look there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_table_reports_an_out_of_memory_run_a_crash_and_the_budget_and_goes_on(monkeypatch, capsys):
+    import json
+    import subprocess
+
+    bench = _inference_benchmark()
+    ok = {"fit_s": 1.0, "predict_s": 0.5, "score": 0.9, "cache": 2 ** 30, "peak": 2 ** 31}
+    answers = iter([
+        subprocess.CompletedProcess([], 0, json.dumps({"device_name": "GPU X", "fp32": ok, "bf16": ok,
+                                                       "max_dp": 0.004, "mean_dp": 0.001, "kernels": "flash"})),
+        subprocess.CompletedProcess([], 0, json.dumps({"fp32": {"error": "out of memory (...)"}, "bf16": ok})),
+        subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: CUDA error: an illegal memory access"),
+        subprocess.TimeoutExpired([], 10),
+    ])
+
+    def fake_run(cmd, **kwargs):
+        assert "--gpu-one" in cmd and kwargs["timeout"] > 0
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    log = bench.Log()
+    bench.gpu_table_section(log, "cuda", 100.0, sizes=((1000, 1000, 20), (2, 2, 2), (3, 3, 3), (4, 4, 4)))
+    text = "\n".join(log.lines)
+    assert "device: GPU X" in text and "bf16 attention kernels: flash" in text
+    assert "4.0e-03" in text and "  1.500" in text  # bf16's difference to fp32; fit + predict
+    assert "fp32  out of memory" in text and "failed (exit 1): RuntimeError: CUDA error" in text
+    assert "stopped after" in text and next(answers, None) is None  # every size was tried
