@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -570,10 +571,9 @@ def main() -> None:
         precision_section(log, torch.device(args.device or "cpu"), args.repeats)
         args.skip_speed = args.skip_memory = True
     if args.gpu_table:
-        try:
-            sizes = tuple(tuple(int(v) for v in size.split("x")) for size in args.gpu_sizes.split(",")) \
-                if args.gpu_sizes else GPU_SIZES
-        except ValueError:
+        sizes = tuple(tuple(int(v) for v in size.split("x")) if re.fullmatch(r"\d+x\d+x\d+", size) else ()
+                      for size in args.gpu_sizes.split(",")) if args.gpu_sizes else GPU_SIZES
+        if not all(sizes):
             p.error(f"--gpu-sizes takes sizes such as 1000x1000x20,50000x1000x100, got {args.gpu_sizes!r}")
         gpu_table_section(log, args.device or "cuda", args.budget_s, sizes)
         args.skip_speed = args.skip_memory = True
