@@ -5,7 +5,9 @@ pretrained model is not invariant to and their average is better than any one of
 
     columns      the kept columns in the member's own order (member 0: the original order); when a table has
                  more columns than `max_features`, each member sees a random subset of that many, chosen so
-                 that every column is seen by some member where the members allow it
+                 that every column is seen by some member where the members allow it; where they cannot (more
+                 columns than members x max_features), the subsets are dealt from the columns that explain most
+                 of the train targets on their own (`relevance`), so no informative column is left out by chance
     numeric      the transform of the numeric columns: "none" (the raw values; the model standardises each
                  column with its train-row mean and deviation), "robust", "quantile" or "power" (see
                  tabfm.preprocess.NUMERIC_TRANSFORMS)
@@ -82,12 +84,19 @@ def _column_subsets(n_members: int, n_columns: int, size: int, rng: np.random.Ge
 
 
 def draw_members(n_members: int, n_columns: int, numeric: Sequence[str], categorical: Sequence[str],
-                 max_features: int | None, rng: np.random.Generator) -> list[Member]:
-    """The ensemble's members: column orders (or subsets), and the transforms cycled in the given order."""
+                 max_features: int | None, rng: np.random.Generator,
+                 relevance: np.ndarray | None = None) -> list[Member]:
+    """The ensemble's members: column orders (or subsets), and the transforms cycled in the given order.
+    relevance: [n_columns] how much each column tells of the targets alone (tabfm.local_context.column_relevance),
+    read only when the members cannot see every column (more than n_members x max_features): the subsets are
+    then dealt from the n_members x max_features most relevant columns."""
     numeric = _cycle(numeric, NUMERIC_TRANSFORMS, "numeric_transforms")
     categorical = _cycle(categorical, CATEGORICAL_VIEWS, "categorical_views")
     if max_features is not None and n_columns > max_features:
-        columns = _column_subsets(n_members, n_columns, max_features, rng)
+        pool = np.arange(n_columns)
+        if relevance is not None and n_columns > n_members * max_features:
+            pool = np.sort(np.argsort(-np.asarray(relevance), kind="stable")[:n_members * max_features])
+        columns = [pool[c] for c in _column_subsets(n_members, len(pool), max_features, rng)]
     else:
         columns = [np.arange(n_columns)] + [rng.permutation(n_columns) for _ in range(n_members - 1)]
     return [Member(columns[m], numeric[m % len(numeric)], categorical[m % len(categorical)])

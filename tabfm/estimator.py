@@ -46,7 +46,7 @@ from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # 
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import inference_autocast, resolve_precision, resolve_weight_dtype
 from tabfm.linear_base import LogisticModel
-from tabfm.local_context import LocalContexts
+from tabfm.local_context import LocalContexts, column_relevance
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
@@ -164,12 +164,19 @@ class _TabFMBase(BaseEstimator):
         cells = self.preprocessor_.transform(X)
         if len(y) != len(cells.values):
             raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
+        n, C = cells.values.shape
+        shown, limit = min(C, self.max_features or C), model.config.max_columns
+        if shown > limit:
+            raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
+                             f"member {shown}, but the model takes at most {limit}: set max_features to at most "
+                             f"{limit} (members then see subsets; the default is 24)")
         y = self._context_targets(cells, y)
         rng = np.random.default_rng(self.random_state)
-        n, C = cells.values.shape
         self.n_members_ = n_members
+        wide = self.max_features is not None and C > n_members * self.max_features
+        relevance = column_relevance(cells, self._relevance_targets(y)) if wide else None
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
-                                     self.max_features, rng)
+                                     self.max_features, rng, relevance)
         self._draw_contexts(cells, y, rng)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
@@ -394,8 +401,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         codes as numbers far better than through its embedding (README, "Accuracy").
     max_features : int or None, default=24
         Each member of a table with more kept columns sees a random subset of this many (the members together
-        see every column); None: every member sees all columns. The shipped model was pretrained mostly on
-        narrow tables: subsets of 24 were better on 7 of the 9 tables wider than that (README, "Accuracy").
+        see every column, or, on tables wider than n_estimators x max_features, the columns that explain most
+        of y alone); None: every member sees all columns (at most the model's 100). The shipped model was
+        pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables wider than that.
     checkpoint : str, path or None, default=None
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
     categorical_features : "auto" or list of int or str, default="auto"

@@ -329,10 +329,6 @@ class TablePreprocessor:
                 if len(cats) <= 1 and all(v is not None for v in raw):
                     continue  # constant
                 columns.append(Column(name, i, "categorical", cats))
-        if self.max_columns is not None and len(columns) > self.max_columns:
-            raise ValueError(f"X has {len(columns)} informative features but the model takes at most "
-                             f"{self.max_columns}: select features first (e.g. sklearn.feature_selection."
-                             "SelectKBest) or use a model with a larger max_columns")
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
         # each column divided by its largest train magnitude first: every transform below is scale-free, and

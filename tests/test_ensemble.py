@@ -38,6 +38,18 @@ def test_draw_members_orders_subsets_and_cycles():
         draw_members(2, 3, ("none",), (), None, rng)
 
 
+def test_members_of_a_table_wider_than_they_can_see_take_the_most_relevant_columns():
+    rng = np.random.default_rng(0)
+    relevance = rng.random(30)
+    members = draw_members(2, 30, ("none",), ("embed",), 4, rng, relevance)
+    seen = np.concatenate([m.columns for m in members])
+    assert sorted(seen) == sorted(np.argsort(-relevance)[:8])  # the 8 most relevant, each once
+    # where the members can see every column, relevance changes nothing: the same draw as without it
+    narrow = draw_members(3, 10, ("none",), ("embed",), 4, np.random.default_rng(1), rng.random(10))
+    plain = draw_members(3, 10, ("none",), ("embed",), 4, np.random.default_rng(1))
+    assert all(np.array_equal(a.columns, b.columns) for a, b in zip(narrow, plain, strict=True))
+
+
 def test_member_cells_views():
     df = _table()
     pre = TablePreprocessor(transforms=NUMERIC_TRANSFORMS).fit(df)

@@ -82,13 +82,38 @@ def test_categorical_features_option_forces_codes():
     (lambda: (np.array([[1.0, "a"], [2.0, 3.0]], dtype=object), np.array([0, 1])), "mixes numbers and strings"),
     (lambda: (np.empty((0, 3)), np.empty(0)), "0 sample"),
     (lambda: (np.empty((4, 0)), np.array([0, 1, 0, 1])), "0 feature"),
-    (lambda: (np.random.default_rng(0).normal(size=(20, 101)), np.arange(20) % 2), "at most 100"),
     (lambda: (np.array([[1.0, np.inf], [2.0, 3.0]]), np.array([0, 1])), "inf"),
 ])
 def test_bad_fit_input_gets_a_clear_error(make, match):
     X, y = make()
     with pytest.raises(ValueError, match=match):
         TabFMClassifier(n_estimators=1).fit(X, y)
+
+
+def test_members_that_would_see_more_columns_than_the_model_takes_are_refused():
+    X, y = np.random.default_rng(0).normal(size=(20, 101)), np.arange(20) % 2
+    for max_features in (None, 101):
+        with pytest.raises(ValueError, match="model takes at most 100: set max_features to at most 100"):
+            TabFMClassifier(n_estimators=1, max_features=max_features).fit(X, y)
+
+
+@pytest.mark.parametrize("cls", [TabFMClassifier, TabFMRegressor])
+def test_a_table_wider_than_the_model_is_read_through_its_most_relevant_columns(cls):
+    """150 columns, of which the last 3 decide y: the default (max_features=24) fits it; 2 members x 24 columns
+    cannot see all 150, so they see the 48 that explain y best alone, the 3 that matter among them (48 drawn at
+    random would hold all 3 about 3% of the time)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 150))
+    signal = X[:, 147] + X[:, 148] - X[:, 149]
+    y = (signal > 0).astype(int) if cls is TabFMClassifier else signal
+    est = cls(n_estimators=2, dtype="float64").fit(X[:120], y[:120])
+    seen = np.unique(np.concatenate([m.columns for m in est.members_]))
+    assert len(seen) == 48 and {147, 148, 149} <= set(seen.tolist())
+    pred = est.predict(X[120:])
+    if cls is TabFMClassifier:
+        assert (pred == y[120:]).mean() > 0.65  # chance: 0.5
+    else:
+        assert np.corrcoef(pred, y[120:])[0, 1] > 0.6
 
 
 def test_bad_regression_target():
