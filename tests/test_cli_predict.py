@@ -99,6 +99,7 @@ def test_precision_bf16_is_close_to_fp32_and_bfloat16_weights_are_gone(tables, c
     assert "invalid choice: 'bfloat16'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_predict_sharded_under_torchrun_equals_one_process(tables):
     common = ["--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
               "--proba", "--dtype", "float64", "--n-estimators", "2"]
@@ -272,6 +273,7 @@ def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
     assert _snapshot(tables) == before  # the earlier output untouched, no temporary file left
 
 
+@pytest.mark.slow
 def test_predict_data_parallel_under_torchrun_equals_one_process(tables):
     common = ["--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
               "--proba", "--dtype", "float64", "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7"]

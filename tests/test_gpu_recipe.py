@@ -174,6 +174,7 @@ def _run_leg(tmp_path: Path, out: Path, init: Path, monkeypatch) -> dict:
     return _expect_out(out)
 
 
+@pytest.mark.slow
 def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_path, monkeypatch):
     init = tmp_path / "init.safetensors"  # stands in for the shipped weights: the recipe's step 0
     model = build_model(load_config(ROOT / "configs/pretrain/tiny.yaml").model, seed=7)

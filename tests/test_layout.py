@@ -53,6 +53,7 @@ def _train_auto(tmp: str) -> tuple:
     return json.loads((Path(tmp) / "run" / "layout.json").read_text()) if (Path(tmp) / "run" / "layout.json").exists() else None
 
 
+@pytest.mark.slow
 def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, request):
     (tmp_path / "pairs.yaml").write_text(PAIRS)
     pending = ranks(4).submit(_train_auto, str(tmp_path))  # rank 0 plans while this process plans the module's
@@ -84,6 +85,7 @@ def test_tabfm_source_counts_the_real_model(tmp_path, pairs_plan):
     assert volume[(4, 1, False)]["tp1"] == volume[(1, 4, False)]["tp0"] == 0
 
 
+@pytest.mark.slow
 def test_auto_on_one_process_is_the_single_device_layout(tmp_path):
     cfg = _auto_cfg(tmp_path, "parallel.topology=measure")
     check_run_layout(cfg, 1)

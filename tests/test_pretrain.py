@@ -297,6 +297,7 @@ def test_tensor_parallel_training_equals_one_process(ranks, tmp_path):
     assert manifest["layout"] == {"d0": 2, "d1": 2, "dp": 1}
 
 
+@pytest.mark.slow
 def test_twenty_float32_steps_on_2x2_give_the_one_process_losses(ranks, tmp_path):
     ref = _run_on_mesh(str(tmp_path / "ref"), 1, 1, 1, False, 20, "float32")
     assert len(ref["losses"]) == 20

@@ -166,6 +166,7 @@ def _logistic_auc(t) -> float | None:
     return float(np.mean(aucs)) if aucs else None
 
 
+@pytest.mark.slow
 def test_labels_are_learnable_but_not_trivial():
     table = TableConfig(min_rows=100, max_rows=200, min_features=2, max_features=10, regression_prob=0.0)
     src = PriorSource(DataConfig(seed=11, batch_size=1, table=table))
