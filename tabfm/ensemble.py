@@ -83,6 +83,12 @@ def _column_subsets(n_members: int, n_columns: int, size: int, rng: np.random.Ge
     return out
 
 
+def members_see_every_column(n_members: int, n_columns: int, max_features: int | None) -> bool:
+    """Whether subsets of max_features columns dealt to n_members members can cover every column (draw_members
+    reads column relevance only where they cannot)."""
+    return max_features is None or n_columns <= n_members * max_features
+
+
 def draw_members(n_members: int, n_columns: int, numeric: Sequence[str], categorical: Sequence[str],
                  max_features: int | None, rng: np.random.Generator,
                  relevance: np.ndarray | None = None) -> list[Member]:
@@ -94,7 +100,7 @@ def draw_members(n_members: int, n_columns: int, numeric: Sequence[str], categor
     categorical = _cycle(categorical, CATEGORICAL_VIEWS, "categorical_views")
     if max_features is not None and n_columns > max_features:
         pool = np.arange(n_columns)
-        if relevance is not None and n_columns > n_members * max_features:
+        if relevance is not None and not members_see_every_column(n_members, n_columns, max_features):
             pool = np.sort(np.argsort(-np.asarray(relevance), kind="stable")[:n_members * max_features])
         columns = [pool[c] for c in _column_subsets(n_members, len(pool), max_features, rng)]
     else:

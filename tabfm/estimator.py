@@ -40,7 +40,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import Member, class_codes, draw_members, member_cells, member_width  # noqa: F401 (re-exported)
+from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # noqa: F401 (class_codes re-exported)
+                            member_width, members_see_every_column)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
@@ -164,7 +165,7 @@ class _TabFMBase(BaseEstimator):
         cells = self.preprocessor_.transform(X)
         if len(y) != len(cells.values):
             raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
-        n, C = cells.values.shape
+        C = cells.values.shape[1]
         shown, limit = min(C, self.max_features or C), model.config.max_columns
         if shown > limit:
             raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
@@ -173,8 +174,8 @@ class _TabFMBase(BaseEstimator):
         y = self._context_targets(cells, y)
         rng = np.random.default_rng(self.random_state)
         self.n_members_ = n_members
-        wide = self.max_features is not None and C > n_members * self.max_features
-        relevance = column_relevance(cells, self._relevance_targets(y)) if wide else None
+        relevance = (None if members_see_every_column(n_members, C, self.max_features)
+                     else column_relevance(cells, self._relevance_targets(y)))
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng, relevance)
         self._draw_contexts(cells, y, rng)
