@@ -1,7 +1,7 @@
 """`tabfm predict`: CSV and Parquet in and out, probabilities, task inference, NA tokens, clear errors for bad
 input (one line, nothing written, inputs untouched), the test table streamed in batches (the same bytes as read
-whole; a bad row half-way leaves no output), and torchrun runs on 2 processes (the model split, or the test rows
-split) that write the one-process predictions."""
+whole; a bad row half-way leaves no output), and runs on 2 processes (the model split under torchrun, the test rows
+split on 2 gloo ranks) that write the one-process predictions."""
 
 from __future__ import annotations
 
@@ -273,14 +273,31 @@ def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
     assert _snapshot(tables) == before  # the earlier output untouched, no temporary file left
 
 
-@pytest.mark.slow
-def test_predict_data_parallel_under_torchrun_equals_one_process(tables):
+def _predict_worker(argv: list[str]) -> int:
+    from tabfm._cli_predict import worker_main
+
+    return worker_main(argv)
+
+
+def test_predict_data_parallel_on_two_ranks_equals_one_process(tables, ranks, monkeypatch):
+    """--data-parallel 2: the launcher's worker command line run by each of 2 gloo ranks (torchrun itself is
+    the sharded test's: starting it again costs two more interpreters and adds no check)."""
+    from tabfm import launch
+
+    launched = []
+
+    def run_on_ranks(module, argv, nproc, max_restarts=0):
+        launched.append((module, nproc))
+        codes = ranks(nproc).run(_predict_worker, list(argv))
+        assert codes == [0] * nproc, codes
+        return 0
+
+    monkeypatch.setattr(launch, "run_torchrun", run_on_ranks)
     common = ["--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
               "--proba", "--dtype", "float64", "--n-estimators", "1", "--batch-size", "8", "--batch-rows", "7"]
     assert main(["predict", *common, "-o", str(tables / "one.parquet")]) == 0
-    run = subprocess.run([sys.executable, "-m", "tabfm.cli", "predict", *common, "--data-parallel", "2",
-                          "-o", str(tables / "two.parquet")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert main(["predict", *common, "--data-parallel", "2", "-o", str(tables / "two.parquet")]) == 0
+    assert launched == [("tabfm._cli_predict", 2)]
     one, two = pl.read_parquet(tables / "one.parquet"), pl.read_parquet(tables / "two.parquet")
     assert one["label"].to_list() == two["label"].to_list()
     np.testing.assert_allclose(two.drop("label").to_numpy(), one.drop("label").to_numpy(), rtol=0, atol=1e-10)
