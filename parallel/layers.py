@@ -89,7 +89,8 @@ class ColumnFirstLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.project(x)
-        return y if self.bias is None else y + self.bias
+        # The bias in the output's dtype, as nn.Linear adds it under autocast (bfloat16 out, not float32)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The reduced output without the bias (for a fused bias epilogue)."""
@@ -169,7 +170,9 @@ class RowFirstLinear(nn.Module):
         if self.bias is None:
             return y
         # Under sequence parallelism each rank sees only its tokens: the bias gradient is partial over axis 0.
-        return y + (copy_to(self.bias, self.mesh.axis0) if self.sequence_parallel else self.bias)
+        # Added in the output's dtype, as nn.Linear adds it under autocast.
+        bias = copy_to(self.bias, self.mesh.axis0) if self.sequence_parallel else self.bias
+        return y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, mesh={self.mesh}, "

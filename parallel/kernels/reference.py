@@ -25,8 +25,9 @@ ACTIVATIONS = {
 
 
 def bias_act(y: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """act(y + bias): the column-first linear's bias followed by the MLP's activation."""
-    return ACTIVATIONS[activation](y if bias is None else y + bias)
+    """act(y + bias): the column-first linear's bias followed by the MLP's activation, in y's dtype (under
+    autocast a bfloat16 y stays bfloat16, as nn.Linear's output does and as the fused kernel writes it)."""
+    return ACTIVATIONS[activation](y if bias is None else y + bias.to(y.dtype))
 
 
 def norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
