@@ -178,7 +178,7 @@ class _TabFMBase(BaseEstimator):
                      else column_relevance(cells, self._relevance_targets(y)))
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng, relevance)
-        self._draw_contexts(cells, y, rng)
+        self._draw_contexts(cells, y, rng, relevance=relevance)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
         if encode:
@@ -197,15 +197,16 @@ class _TabFMBase(BaseEstimator):
         return y
 
     def _draw_contexts(self, cells: Cells, y: np.ndarray, rng: np.random.Generator,
-                       limit: int | None = None) -> None:
+                       limit: int | None = None, relevance: np.ndarray | None = None) -> None:
         """The contexts the members are encoded from, as `context_rows_` [U, T] (the train rows of each) and
         `context_members_` [U] (whose they are). With more than local_context_rows train rows, each member gets
         its own local contexts of that many rows (tabfm.local_context, kept as `local_`); otherwise one context
-        per member holding every train row, or max_context_rows (or `limit`, the smaller) drawn per member."""
+        per member holding every train row, or max_context_rows (or `limit`, the smaller) drawn per member.
+        relevance: the column relevance of these cells and targets, where the caller computed it already."""
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
             self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
-                                            self.local_context_rows, rng)
+                                            self.local_context_rows, rng, relevance)
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
         self.local_ = None

@@ -142,11 +142,12 @@ class LocalContexts:
 
     @classmethod
     def fit(cls, cells: Cells, targets: np.ndarray, n_members: int, rows: int,
-            rng: np.random.Generator) -> LocalContexts:
+            rng: np.random.Generator, relevance: np.ndarray | None = None) -> LocalContexts:
         """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
-        `rows` of them) and their targets [n, T] (column_relevance)."""
+        `rows` of them) and their targets [n, T]; relevance: column_relevance(cells, targets) when the caller has
+        it already (computed here otherwise)."""
         raw = _raw_space(cells)
-        relevance = column_relevance(cells, targets)
+        relevance = column_relevance(cells, targets) if relevance is None else relevance
         relevance = relevance / relevance.max() if relevance.max() > 0 else np.ones_like(relevance)
         widths = [max(width, 1) for _, width in _space_columns(cells)]
         weight = np.repeat(relevance, widths)

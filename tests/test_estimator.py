@@ -115,6 +115,27 @@ def test_a_table_wider_than_the_model_is_read_through_its_most_relevant_columns(
         assert np.corrcoef(pred, y[120:])[0, 1] > 0.6
 
 
+def test_a_wide_table_with_local_contexts_computes_column_relevance_once(monkeypatch):
+    """The member subsets and the local contexts read the same relevance of the same train rows: one pass over
+    the 120 columns, not one each (calibrate=False: the probe's own rows would need their own)."""
+    from tabfm import local_context
+
+    calls = []
+    real = local_context.column_relevance
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].values.shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local_context, "column_relevance", counted)
+    monkeypatch.setattr(estimator, "column_relevance", counted)
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 120))
+    y = (X[:, 3] > 0).astype(int)
+    clf = TabFMClassifier(n_estimators=2, calibrate=False, local_context_rows=100).fit(X, y)
+    assert clf.local_ is not None and calls == [(300, 120)]
+
+
 def test_bad_regression_target():
     X = np.random.default_rng(0).normal(size=(6, 2))
     with pytest.raises(ValueError, match="NaN or inf"):
