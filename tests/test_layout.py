@@ -122,3 +122,51 @@ def test_tabfm_plan_takes_a_pretraining_config(tmp_path, capsys, monkeypatch, pa
     assert calls == [True]
     best, reason = planner.choose_layout_from(*pairs_plan[:2])
     assert f"best: {reason}" in out
+
+
+def _inducing_source() -> TabFMSource:
+    """The tiny model with the inducing-point column stage (issue 12), on 2 tables x 16 rows x 4 features."""
+    import dataclasses
+
+    from tabfm.model import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.load("tiny"), column_attention="inducing", num_inducing=6)
+    return TabFMSource(cfg, batch=2, rows=16, features=4)
+
+
+def _real_step_tallies(d0: int, d1: int, sp: bool) -> dict:
+    """On each rank: the collectives one forward and one backward of the inducing model send on a real mesh."""
+    import torch
+    from dist_harness import get_mesh
+
+    from tabfm.parallel.topology import AXES
+
+    torch.manual_seed(0)
+    model, parallelize_model, inputs = _inducing_source()()
+    mesh = get_mesh(d0, d1)
+    par = parallelize_model(model, mesh, sp, 1)
+    batch = inputs(mesh, sp, torch.device("cpu"), torch.float32)
+    mesh.reset_tallies()
+    out = par(*batch)
+    out = out[0] if isinstance(out, tuple) else out
+    forward = {a: mesh.axis(a).tally.snapshot() for a in AXES}
+    mesh.reset_tallies()
+    out.backward(torch.ones_like(out))
+    return {"forward": forward, "backward": {a: mesh.axis(a).tally.snapshot() for a in AXES}}
+
+
+@pytest.mark.parametrize("d0, d1, sp", [(2, 2, True), (4, 1, False)])
+def test_planner_counts_the_inducing_column_stage_as_the_ranks_run_it(ranks, d0, d1, sp):
+    """The planner's trace of the inducing model (the summarising block's extra key pass included) holds, per
+    axis and phase, exactly the collectives, bytes and traffic the 4 ranks send."""
+    from tabfm.parallel.plan_trace import trace
+
+    pending = ranks(4).submit(_real_step_tallies, d0, d1, sp)
+    try:
+        traced = trace(_inducing_source(), d0, d1, sp, 1)
+    finally:
+        results = pending.wait()
+    for real in results:
+        for phase in ("forward", "backward"):
+            assert real[phase] == traced.tallies[phase], phase
+            assert sum(real[phase]["tp0"]["calls"].values()) + sum(real[phase]["tp1"]["calls"].values()) > 0
