@@ -554,7 +554,7 @@ def attention(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor 
 
     def core(qkv: torch.Tensor, c: int, *bias: torch.Tensor) -> torch.Tensor:
         if bias:
-            qkv = qkv + bias[0]                                          # [Bf_c, S, 3 * H/N]
+            qkv = qkv + bias[0].to(qkv.dtype)                            # [Bf_c, S, 3 * H/N], as nn.Linear
         q, kk, v = qkv.unflatten(-1, (3, local_heads, -1)).movedim(-3, 0).transpose(-3, -2).unbind(0)
         ctx = dense.attend(q, kk, v, num_kv, None if masks is None else masks[c])
         return ctx.transpose(-3, -2).flatten(-2)                         # [Bf_c, S, H/N]

@@ -105,6 +105,27 @@ def test_bf16_under_tensor_parallelism(ranks, fp32_reference, d0, d1, sp, chunks
         assert run["decay"] == fp32_reference["decay"] and run["wd"] == fp32_reference["wd"]
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("d0, d1", [(1, 2), (2, 1)])
+def test_sharded_layers_keep_autocast_activations_in_bfloat16(d0, d1, chunks):
+    """Under autocast a sharded attention and MLP give bfloat16 out, as their dense modules do (nn.Linear adds
+    its bias in bfloat16): a float32 bias added to the bfloat16 matmul output used to promote every activation
+    after a sharded linear back to float32. Dry-run meshes: the collectives keep shapes and dtypes."""
+    from tabfm.parallel import dense
+    from tabfm.parallel.layers import ParallelAttention, ParallelMlp
+    from tabfm.parallel.mesh import TPMesh
+
+    torch.manual_seed(0)
+    attn, mlp = dense.Attention(16, 4), dense.Mlp(16, 32)
+    mesh = TPMesh.dry_run(d0, d1)
+    sharded = (ParallelAttention(attn, mesh, overlap_chunks=chunks),
+               ParallelMlp(mlp, mesh, overlap_chunks=chunks, kernels="torch"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = {m(torch.randn(4, 6, 16)).dtype for m in (attn, mlp)}
+        got = {m(torch.randn(4, 6, 16 // d1)).dtype for m in sharded}
+    assert want == got == {torch.bfloat16}
+
+
 def _norm_stats_under_autocast(d0: int, d1: int) -> dict:
     """A tensor-parallel LayerNorm fed bfloat16 activations under autocast: the dtypes its collectives carry,
     and its output against float32 F.layer_norm of the same (bfloat16-rounded) input."""
