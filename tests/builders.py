@@ -50,9 +50,20 @@ def make_batch(task: str = "classification", seed: int = 0) -> Batch:
                  n_classes=n_classes, row_pad=row_pad, col_pad=col_pad, task=task)
 
 
-def tiny_model(**overrides) -> TabFM:
+def tiny_model(seed: int = 1, **overrides) -> TabFM:
     cfg = ModelConfig(**{**ModelConfig.load("tiny").to_dict(), **overrides})
-    return build_model(cfg, seed=1).double()
+    return build_model(cfg, seed=seed).double()
+
+
+def adamw_steps(model: nn.Module, steps: int) -> torch.optim.AdamW:
+    """A few AdamW steps on make_batch(seed=step): weights and optimizer state worth saving."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss = model.loss(make_batch(seed=step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return opt
 
 
 class Holder(nn.Module):
