@@ -44,20 +44,18 @@ Writes the printed text to OUT/accuracy.txt and per-table, per-model results to 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import platform
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
-from scipy.stats import rankdata
 from threadpoolctl import threadpool_limits
 from sklearn.base import BaseEstimator
 from sklearn.compose import ColumnTransformer
@@ -74,20 +72,16 @@ from tqdm.auto import tqdm
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.evaluate import DATASETS_DIR, _read
 
+# benchmarks/ is no package: its sibling is found beside this file, whether run as a script or loaded by path
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGRESSORS, Result, _f,  # noqa: E402
+                             notes_lines, per_table_lines, read_baselines, report, write_csv)
+
 SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2"}
 """Where each suite's tables live."""
-REG_REFERENCE = {"dev": "ridge", "suite2": "hgb"}
-"""The regression baseline each suite's R^2 target is judged against (the issue's targets)."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
 CURVE_SIZES = (100, 300, 1000)
-MANY_CLASSES = 5
-"""Tables with at least this many classes are also summarised on their own (many_class_lines)."""
-
-MODELS = ("tabfm", "logreg", "ridge", "rf", "hgb", "knn")
-CLASSIFIERS = ("tabfm", "logreg", "rf", "hgb", "knn")
-REGRESSORS = ("tabfm", "ridge", "rf", "hgb", "knn")
-CLS_METRICS = ("roc_auc", "accuracy", "log_loss")
-REG_METRICS = ("r2", "rmse", "cover80")
 
 
 @dataclass
@@ -124,19 +118,6 @@ class RealTable:
                 "classes": len(self.classes), "skew": skew}
 
 
-@dataclass
-class Result:
-    """One model on one table: metrics per fold, seconds, the first error and warnings seen."""
-
-    metrics: dict[str, list[float]] = field(default_factory=dict)
-    seconds: float = 0.0
-    error: str | None = None
-    n_failed_folds: int = 0
-    warnings: set[str] = field(default_factory=set)
-
-    def mean(self, key: str) -> float:
-        vals = [v for v in self.metrics.get(key, []) if not math.isnan(v)]
-        return float(np.mean(vals)) if vals else math.nan
 
 
 def suite_tables(suite: str) -> list[str]:
@@ -300,174 +281,6 @@ def run_fold(t: RealTable, k: int, models: list[str], ours: dict[str, Any], resu
             res.metrics.setdefault(key, []).append(v)
 
 
-def ranks(per_table: dict[str, dict[str, Result]], models: list[str], key: str) -> dict[str, float]:
-    """Mean over tables of each model's rank by `key` (higher is better; 1 = best, ties averaged, NaN last)."""
-    out: dict[str, list[float]] = {m: [] for m in models}
-    for results in per_table.values():
-        vals = np.array([results[m].mean(key) for m in models])
-        vals = np.where(np.isnan(vals), -np.inf, vals)
-        for m, r in zip(models, rankdata(-vals, method="average")):
-            out[m].append(float(r))
-    return {m: float(np.mean(v)) if v else math.nan for m, v in out.items()}
-
-
-def _mean_over_tables(per_table: dict[str, dict[str, Result]], model: str, key: str) -> tuple[float, int]:
-    vals = [r[model].mean(key) for r in per_table.values()]
-    vals = [v for v in vals if not math.isnan(v)]
-    return (float(np.mean(vals)) if vals else math.nan), len(vals)
-
-
-def _f(v: float, digits: int = 4) -> str:
-    return "n/a" if math.isnan(v) else f"{v:.{digits}f}"
-
-
-def summary_tables(cls: dict[str, dict[str, Result]], reg: dict[str, dict[str, Result]], cls_models: list[str],
-                   reg_models: list[str]) -> tuple[list[str], dict[str, float]]:
-    """The markdown summary tables (lines) and the means the targets are judged on."""
-    lines: list[str] = []
-    means: dict[str, float] = {}
-    if cls:
-        rank = ranks(cls, cls_models, "roc_auc")
-        lines += [f"Classification ({len(cls)} tables; mean over tables of the per-table fold means)", "",
-                  "| model | mean ROC-AUC | mean accuracy | mean log-loss | mean rank (ROC-AUC) | tables | seconds |",
-                  "|---|---|---|---|---|---|---|"]
-        for m in cls_models:
-            auc, n = _mean_over_tables(cls, m, "roc_auc")
-            acc, _ = _mean_over_tables(cls, m, "accuracy")
-            ll, _ = _mean_over_tables(cls, m, "log_loss")
-            means[f"{m}/roc_auc"], means[f"{m}/log_loss"] = auc, ll
-            secs = sum(r[m].seconds for r in cls.values())
-            lines.append(f"| {m} | {_f(auc)} | {_f(acc)} | {_f(ll)} | {_f(rank[m], 2)} | {n}/{len(cls)} | {secs:.1f} |")
-        lines.append("")
-    if reg:
-        rank = ranks(reg, reg_models, "r2")
-        lines += [f"Regression ({len(reg)} tables)", "",
-                  "| model | mean R^2 | mean RMSE | mean rank (R^2) | tables | seconds |", "|---|---|---|---|---|---|"]
-        for m in reg_models:
-            r2, n = _mean_over_tables(reg, m, "r2")
-            rmse, _ = _mean_over_tables(reg, m, "rmse")
-            means[f"{m}/r2"] = r2
-            secs = sum(r[m].seconds for r in reg.values())
-            lines.append(f"| {m} | {_f(r2)} | {_f(rmse, 3)} | {_f(rank[m], 2)} | {n}/{len(reg)} | {secs:.1f} |")
-        cover, n_cover = _mean_over_tables({k: v for k, v in reg.items() if "tabfm" in v}, "tabfm", "cover80")
-        if n_cover:
-            lines += ["", f"tabfm's 80% predictive interval (quantiles 0.1 and 0.9) holds {cover:.1%} of the test "
-                      f"targets (mean over {n_cover} tables; nominal 80%)"]
-        lines.append("")
-    return lines, means
-
-
-def per_table_lines(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]],
-                    models: list[str]) -> list[str]:
-    """One row per table and metric (ROC-AUC and log-loss, or R^2 and RMSE), one column per model, with the
-    table's profile (rows, features, categorical / missing share, classes, target skew) and ours minus the best
-    baseline on the first metric."""
-    lines = ["| table | suite | task | rows | feats | cat | miss | K | skew | metric | " + " | ".join(models)
-             + " | ours - best |", "|---" * (11 + len(models)) + "|"]
-    for name, results in per_table.items():
-        t = tables[name]
-        pr = t.profile()
-        keys = ("roc_auc", "log_loss") if t.is_classification else ("r2", "rmse")
-        for key in keys:
-            cells = [_f(results[m].mean(key), 4 if key != "rmse" else 3) if m in results else "" for m in models]
-            gap = ""
-            if key in ("roc_auc", "r2") and "tabfm" in results:
-                others = [results[m].mean(key) for m in models if m != "tabfm" and m in results]
-                others = [v for v in others if not math.isnan(v)]
-                if others:
-                    gap = f"{results['tabfm'].mean(key) - max(others):+.4f}"
-            lines.append(f"| {name} | {t.suite} | {t.task} | {pr['rows']} | {pr['features']} | {pr['cat_share']:.2f} | "
-                         f"{pr['missing']:.2f} | {pr['classes'] or ''} | {pr['skew']:.2f} | {key} | "
-                         + " | ".join(cells) + f" | {gap} |")
-    return lines
-
-
-def target_lines(means: dict[str, float], cls_models: list[str], reg_models: list[str],
-                 reg_reference: str) -> list[str]:
-    """The three targets, judged honestly ("met" / "missed"; "n/a" when a model needed is not in the run)."""
-    if "tabfm" not in cls_models + reg_models:
-        return ["targets: n/a (tabfm not in --models)"]
-    out = []
-    ours_auc, ours_ll = means.get("tabfm/roc_auc", math.nan), means.get("tabfm/log_loss", math.nan)
-    baselines = [m for m in cls_models if m != "tabfm" and not math.isnan(means.get(f"{m}/roc_auc", math.nan))]
-    if baselines and not math.isnan(ours_auc):
-        best = max(baselines, key=lambda m: means[f"{m}/roc_auc"])
-        b = means[f"{best}/roc_auc"]
-        verdict = "met" if ours_auc >= b else "missed"
-        out.append(f"target 1, mean ROC-AUC >= best baseline's: tabfm {_f(ours_auc)} vs {best} {_f(b)} "
-                   f"({ours_auc - b:+.4f}): {verdict}")
-    else:
-        out.append("target 1, mean ROC-AUC >= best baseline's: n/a (no classification baseline in the run)")
-    if not math.isnan(means.get("logreg/log_loss", math.nan)) and not math.isnan(ours_ll):
-        lr = means["logreg/log_loss"]
-        verdict = "met" if ours_ll <= lr else "missed"
-        out.append(f"target 2, mean log-loss <= logistic regression's: tabfm {_f(ours_ll)} vs logreg {_f(lr)} "
-                   f"({ours_ll - lr:+.4f}): {verdict}")
-    else:
-        out.append("target 2, mean log-loss <= logistic regression's: n/a (logreg not in the run)")
-    ours_r2, ref_r2 = means.get("tabfm/r2", math.nan), means.get(f"{reg_reference}/r2", math.nan)
-    if not math.isnan(ours_r2) and not math.isnan(ref_r2):
-        verdict = "met" if ours_r2 >= ref_r2 else "missed"
-        out.append(f"target 3, mean R^2 >= {reg_reference}'s: tabfm {_f(ours_r2)} vs {reg_reference} {_f(ref_r2)} "
-                   f"({ours_r2 - ref_r2:+.4f}): {verdict}")
-    else:
-        out.append(f"target 3, mean R^2 >= {reg_reference}'s: n/a (a model needed is not in the run)")
-    return out
-
-
-def notes_lines(per_table: dict[str, dict[str, Result]], tables: dict[str, RealTable]) -> list[str]:
-    """Failures (always) and warnings (one line per model and table) the runs raised."""
-    lines = []
-    for name, results in per_table.items():
-        if tables[name].n_dropped:
-            lines.append(f"- {name}: {tables[name].n_dropped} rows dropped (null or unknown target)")
-        for m, r in results.items():
-            if r.error:
-                lines.append(f"- FAILED {m} on {name} ({r.n_failed_folds} fold(s)): {r.error}")
-            for w in sorted(r.warnings):
-                lines.append(f"- warning, {m} on {name}: {w}")
-    return lines
-
-
-def write_csv(path: Path, tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]], n_folds: int) -> None:
-    """Per table, per model: the fold-mean metrics, seconds and the first error (columns like baselines.csv)."""
-    with path.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["dataset", "suite", "task", "model", "n_rows", "n_features", "n_classes", "n_folds",
-                    "roc_auc_mean", "accuracy_mean", "log_loss_mean", "r2_mean", "rmse_mean", "cover80_mean",
-                    "seconds", "failed_folds", "error"])
-        for name, results in per_table.items():
-            t = tables[name]
-            for m, r in results.items():
-                vals = [r.mean(k) if k in r.metrics else math.nan for k in (*CLS_METRICS, *REG_METRICS)]
-                w.writerow([name, t.suite, t.task, m, len(t.y), t.X.width, len(t.classes) or "", n_folds,
-                            *("" if math.isnan(v) else f"{v:.5f}" for v in vals), f"{r.seconds:.2f}",
-                            r.n_failed_folds, r.error or ""])
-
-
-def read_baselines(paths: list[Path], names: list[str], n_folds: int,
-                   with_tabfm: bool = False) -> dict[str, dict[str, Result]]:
-    """The baselines' per-table means from earlier runs' accuracy.csv files or the suites' stored
-    baselines.csv (5 folds; tabfm's rows are skipped unless with_tabfm), as Results of one value per metric;
-    refused when a file scored other folds than this run."""
-    out: dict[str, dict[str, Result]] = {}
-    for path in paths:
-        with path.open() as fh:
-            for row in csv.DictReader(fh):
-                if (row["model"] == "tabfm" and not with_tabfm) or row["dataset"] not in names:
-                    continue
-                folds = int(row.get("n_folds") or 5)
-                if folds != n_folds:
-                    raise SystemExit(f"{path}: {row['dataset']} was scored on {folds} folds, this run on {n_folds}; "
-                                     f"refit the baselines or pass --folds {folds}")
-                seconds = float(row.get("seconds") or 0.0) or float(row.get("fit_predict_s_mean") or 0.0) * folds
-                res = Result(seconds=seconds, error=row.get("error") or None,
-                             n_failed_folds=int(row.get("failed_folds") or 0))
-                for key in (*CLS_METRICS, *REG_METRICS):
-                    if row.get(f"{key}_mean"):
-                        res.metrics[key] = [float(row[f"{key}_mean"])]
-                out.setdefault(row["dataset"], {})[row["model"]] = res
-    return out
 
 
 def learning_curve_lines(tables: dict[str, RealTable], ours: dict[str, Any]) -> list[str]:
@@ -519,46 +332,10 @@ def _warm_up(ours: dict[str, Any]) -> None:
     _ours(TabFMClassifier, ours).fit(X, np.arange(16) % 2).predict_proba(X)
 
 
-def report(tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]], models: list[str],
-           suites: list[str]) -> list[str]:
-    """Summary and targets per suite, then for all suites together when there are several."""
-    lines: list[str] = []
-    groups = [(s, [n for n in per_table if tables[n].suite == s]) for s in suites]
-    if len(suites) > 1:
-        groups.append(("+".join(suites), list(per_table)))
-    for label, names in groups:
-        if not names:
-            continue
-        cls = {n: per_table[n] for n in names if tables[n].is_classification}
-        reg = {n: per_table[n] for n in names if not tables[n].is_classification}
-        cls_models = [m for m in CLASSIFIERS if m in models]
-        reg_models = [m for m in REGRESSORS if m in models]
-        summary, means = summary_tables(cls, reg, cls_models, reg_models)
-        reference = REG_REFERENCE.get(label, "hgb")
-        lines += [f"## Suite {label} ({len(names)} tables)", "", *summary,
-                  *target_lines(means, cls_models, reg_models, reference), ""]
-    many = {n: r for n, r in per_table.items() if len(tables[n].classes) >= MANY_CLASSES}
-    if many:
-        lines += many_class_lines(many, tables, [m for m in CLASSIFIERS if m in models])
-    return lines
 
 
-def many_class_lines(many: dict[str, dict[str, Result]], tables: dict[str, RealTable],
-                     models: list[str]) -> list[str]:
-    """Tables of MANY_CLASSES or more classes on their own (over all suites): where the model was weakest against
-    logistic regression's log-loss (issue 13), each table's log-loss and the means of log-loss and ROC-AUC."""
-    lines = [f"## Tables of {MANY_CLASSES} or more classes ({len(many)}, all suites): log-loss", "",
-             "| table | K | rows | " + " | ".join(models) + " |", "|---|---|---|" + "---|" * len(models)]
-    for name, results in sorted(many.items(), key=lambda kv: len(tables[kv[0]].classes)):
-        vals = [_f(results[m].mean("log_loss"), 3) if m in results else "n/a" for m in models]
-        lines.append(f"| {name} | {len(tables[name].classes)} | {len(tables[name].y)} | " + " | ".join(vals) + " |")
-    for key, label in (("log_loss", "mean log-loss"), ("roc_auc", "mean ROC-AUC")):
-        vals = [_f(_mean_over_tables({n: r for n, r in many.items() if m in r}, m, key)[0]) for m in models]
-        lines.append(f"| {label} | | | " + " | ".join(vals) + " |")
-    return [*lines, ""]
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (apart from main so that main reads as the run, under the project's function length)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", default="dev,suite2", help=f"comma-separated, of {','.join(SUITES)}")
     p.add_argument("--tables", default=None, help="table names, comma-separated (default: every table of the suites)")
@@ -579,6 +356,54 @@ def main() -> None:
                    help="fit nothing: print the report of an earlier run's accuracy.csv (tabfm's rows too), "
                         "writing no file")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for accuracy.txt / .csv")
+    return p
+
+
+def _earlier_results(args: argparse.Namespace, names: list[str], models: list[str],
+                     suites: list[str]) -> tuple[dict[str, dict[str, Result]], list[str]]:
+    """The scores read from earlier runs (--report-only: all models; --reuse-baselines: the baselines) and the
+    models left to fit in this run, so that read and fitted scores are reported alike."""
+    per_table: dict[str, dict[str, Result]] = {n: {} for n in names}
+    if args.report_only is not None:
+        for name, results in read_baselines([Path(args.report_only)], names, args.folds, with_tabfm=True).items():
+            per_table[name].update({m: r for m, r in results.items() if m in models})
+        return per_table, []
+    if args.reuse_baselines is not None:
+        paths = ([SUITES[s] / "baselines.csv" for s in suites] if args.reuse_baselines == "stored"
+                 else [Path(x) for x in args.reuse_baselines.split(",")])
+        for name, results in read_baselines(paths, names, args.folds).items():
+            per_table[name].update({m: r for m, r in results.items() if m in models})
+        return per_table, [m for m in models if m == "tabfm"]
+    return per_table, models
+
+
+def _output_text(args: argparse.Namespace, tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]],
+                 models: list[str], suites: list[str], ours: dict[str, Any], curve: list[str], elapsed: float) -> str:
+    """The printed text (and OUT/accuracy.txt): how the run was made (command, machine, tabfm's parameters, where
+    the baselines came from), the report, the per-table rows, the curve, the notes and the runtime."""
+    est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
+    shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
+    lines = [
+        f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; "
+        f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
+        f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
+        f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}",
+        "", *report(tables, per_table, models, suites), "Per table (mean over folds)", "",
+        *per_table_lines(tables, per_table, [m for m in MODELS if m in models]), "",
+    ]
+    if curve:
+        lines += [*curve, ""]
+    notes = notes_lines(per_table, tables)
+    if notes:
+        lines += ["Notes", *notes, ""]
+    lines.append(f"total runtime: {elapsed:.1f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Check the arguments, load the tables, read earlier scores, fit the rest fold by fold, print and write."""
+    p = _parser()
     args = p.parse_args()
 
     start_all = time.perf_counter()
@@ -603,18 +428,7 @@ def main() -> None:
     for t in tables.values():
         if args.folds > len(np.unique(t.folds)) or args.folds < 1:
             p.error(f"--folds {args.folds}: {t.name} has {len(np.unique(t.folds))} folds")
-    run_models = models
-    per_table: dict[str, dict[str, Result]] = {n: {} for n in names}
-    if args.report_only is not None:
-        for name, results in read_baselines([Path(args.report_only)], names, args.folds, with_tabfm=True).items():
-            per_table[name].update({m: r for m, r in results.items() if m in models})
-        run_models = []
-    elif args.reuse_baselines is not None:
-        paths = ([SUITES[s] / "baselines.csv" for s in suites] if args.reuse_baselines == "stored"
-                 else [Path(x) for x in args.reuse_baselines.split(",")])
-        for name, results in read_baselines(paths, names, args.folds).items():
-            per_table[name].update({m: r for m, r in results.items() if m in models})
-        run_models = [m for m in models if m == "tabfm"]
+    per_table, run_models = _earlier_results(args, names, models, suites)
     cls_models = [m for m in CLASSIFIERS if m in run_models]
     reg_models = [m for m in REGRESSORS if m in run_models]
 
@@ -627,26 +441,7 @@ def main() -> None:
         per_table[name].update(fresh[name])
         per_table[name] = {m: per_table[name][m] for m in MODELS if m in per_table[name]}
     curve = learning_curve_lines(tables, ours) if args.learning_curve and args.report_only is None else []
-    elapsed = time.perf_counter() - start_all
-
-    est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
-    shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
-    lines = [
-        f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; "
-        f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
-        f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
-        f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}",
-        "", *report(tables, per_table, models, suites), "Per table (mean over folds)", "",
-        *per_table_lines(tables, per_table, [m for m in MODELS if m in models]), "",
-    ]
-    if curve:
-        lines += [*curve, ""]
-    notes = notes_lines(per_table, tables)
-    if notes:
-        lines += ["Notes", *notes, ""]
-    lines.append(f"total runtime: {elapsed:.1f} s")
-    text = "\n".join(lines)
+    text = _output_text(args, tables, per_table, models, suites, ours, curve, time.perf_counter() - start_all)
     print(text)
     if args.report_only is not None:
         return
@@ -654,7 +449,6 @@ def main() -> None:
     (args.out / "accuracy.txt").write_text(text + "\n")
     write_csv(args.out / "accuracy.csv", tables, per_table, args.folds)
     print(f"\nwritten: {args.out / 'accuracy.txt'}, {args.out / 'accuracy.csv'}")
-
 
 if __name__ == "__main__":
     main()

@@ -507,7 +507,8 @@ def plot(png: Path, x: np.ndarray, peak: np.ndarray, total: np.ndarray, mem_c: n
     fig.savefig(png, dpi=110)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (apart from main so that main reads as the run, under the project's function length)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--estimators", default="1,4", help="n_estimators to time (the default is always added)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per speed setting (best is kept)")
@@ -536,6 +537,12 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help=argparse.SUPPRESS)  # internal: with LONG_PARAMS
     p.add_argument("--row-chunk", type=int, default=None, help=argparse.SUPPRESS)  # internal: 0 = one pass
     p.add_argument("--global-context", action="store_true", help=argparse.SUPPRESS)  # internal: no local contexts
+    return p
+
+
+def main() -> None:
+    """One fresh-process point (--gpu-one, --one-size) as JSON, or the sections asked for, logged to --txt."""
+    p = _parser()
     args = p.parse_args()
 
     if args.gpu_one is not None:
