@@ -21,486 +21,57 @@ one table range, and `train.steps` is also the length of the learning-rate sched
 `tabfm.pretrain` process per stage it crosses, all with the same schedule, and stops a process at a stage
 boundary, at the leg's step cap or at its deadline by SIGINT to the process group, then rolls the run back to
 the last checkpoint at or before the boundary.
+
+This file is the entry point and the developer's side (score, decide, adopt); the state file and state.json
+are benchmarks/gpu_statefile.py's, the leg driver benchmarks/gpu_leg.py's, and their names are reachable from
+here too (gpu_state.pack, gpu_state.Leg, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
-import json
-import os
-import platform
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules, also when loaded by file path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-STATE_FORMAT = "tabfm-gpu-state-v1"
-HISTORY_FORMAT = "tabfm-gpu-recipe-v1"
-STATE_FILE, HISTORY_FILE = "state.safetensors", "state.json"
-FILE_PREFIX = "file/"
-_FILE_NAME = re.compile(r"manifest\.json|rank[0-9]{3}\.safetensors")
-"""The only files a packed checkpoint folder may hold (no separators: unpacking never leaves the folder)."""
-MAX_STATE_BYTES = 1 << 30
+import gpu_leg  # noqa: E402
+from gpu_leg import Leg, Stage, new_history, parse_stages, stage_at, stage_configs, stop_process  # noqa: E402
+from gpu_leg import device_name as _device_name  # noqa: E402
+from gpu_leg import segment_command as _segment_command  # noqa: E402
+from gpu_statefile import (  # noqa: E402
+    HISTORY_FILE, STATE_FILE, committed, pack, read_history, sha256, unpack, write_history)
+
+__all__ = ["Leg", "Stage", "committed", "decide", "main", "new_history", "pack", "parse_stages", "run_segment",
+           "stage_at", "stage_configs", "stop_process", "unpack"]
+"""The names callers reach through this module (tests/test_gpu_recipe.py), some of them gpu_leg's or
+gpu_statefile's, re-exported."""
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_WEIGHTS = REPO / "tabfm" / "weights" / "tabfm-small.safetensors"
 DEFAULT_STATE_DIR = REPO / "benchmarks" / "gpu_state"
 
 
-def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    """Write through `write(tmp_path)` beside `path`, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# pack / unpack: a checkpoint folder <-> one file
+# The leg (benchmarks/gpu_leg.py), through this module's names
 # ---------------------------------------------------------------------------------------------------------
-
-def _folder_files(ckpt_dir: Path) -> tuple[dict, list[str]]:
-    """The manifest of a checkpoint folder and the files to pack (manifest first), each rank file's checksum
-    checked against the manifest, so a torn or edited folder is never packed."""
-    manifest_path = ckpt_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise ValueError(f"{ckpt_dir} is not a checkpoint folder (no manifest.json); give a run's step_N folder")
-    manifest = json.loads(manifest_path.read_text())
-    names = sorted(manifest.get("files", {}))
-    for name in names:
-        if not _FILE_NAME.fullmatch(name):
-            raise ValueError(f"{ckpt_dir}: its manifest lists {name!r}, not a rank file")
-        if sha256(ckpt_dir / name) != manifest["files"][name]["sha256"]:
-            raise ValueError(f"{ckpt_dir}/{name} does not match its manifest's checksum: the folder is damaged")
-    return manifest, ["manifest.json", *names]
-
-
-def pack(ckpt_dir: str | Path, out: str | Path) -> dict[str, Any]:
-    """Pack checkpoint folder `ckpt_dir` into the single file `out` (replaced atomically); returns its step,
-    data position, size and sha256."""
-    ckpt_dir, out = Path(ckpt_dir), Path(out)
-    manifest, names = _folder_files(ckpt_dir)
-    tensors = {FILE_PREFIX + n: np.frombuffer((ckpt_dir / n).read_bytes(), dtype=np.uint8) for n in names}
-    meta = {"format": STATE_FORMAT, "step": str(manifest["step"]), "source": ckpt_dir.name}
-    _write_atomic(out, lambda tmp: save_file(tensors, str(tmp), meta))
-    return {"step": int(manifest["step"]), "data_position": manifest.get("data_position", {}),
-            "bytes": out.stat().st_size, "sha256": sha256(out)}
-
-
-def read_state(path: str | Path) -> tuple[int, dict[str, bytes]]:
-    """(step, {file name: bytes}) of a state file, checked: our format, only manifest and rank files, and the
-    rank files' checksums against the manifest. Nothing is written."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such state file")
-    if path.stat().st_size > MAX_STATE_BYTES:
-        raise ValueError(f"{path} is larger than any state ({MAX_STATE_BYTES} bytes); it is not one")
-    try:
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} cannot be read as a state file ({e})") from None
-    if meta.get("format") != STATE_FORMAT:
-        raise ValueError(f"{path} is not a {STATE_FORMAT} file (format {meta.get('format')!r})")
-    files = {}
-    for key, t in tensors.items():
-        name = key[len(FILE_PREFIX):]
-        if not key.startswith(FILE_PREFIX) or not _FILE_NAME.fullmatch(name) or t.dtype != np.uint8:
-            raise ValueError(f"{path} holds {key!r}, not a checkpoint file")
-        files[name] = t.tobytes()
-    try:
-        manifest = json.loads(files["manifest.json"])
-        step, listed = manifest["step"], {n: i["sha256"] for n, i in manifest["files"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise ValueError(f"{path}: its manifest.json is missing or damaged (no step or file checksums)") from None
-    if not isinstance(step, int) or step < 0 or set(listed) != set(files) - {"manifest.json"}:
-        raise ValueError(f"{path}: its manifest's step or file list does not match the files it holds")
-    for name, digest in listed.items():
-        if hashlib.sha256(files[name]).hexdigest() != digest:
-            raise ValueError(f"{path}: {name} does not match the manifest's checksum")
-    return step, files
-
-
-def unpack(state: str | Path, run_dir: str | Path) -> Path:
-    """Write the checkpoint of `state` into <run_dir>/checkpoints/step_N with `latest` naming it, so that
-    `tabfm pretrain ... --set train.out_dir=RUN_DIR --resume auto` continues it. Refused when run_dir holds a
-    run already. Returns the checkpoint folder."""
-    from tabfm import checkpoint as ckpt
-
-    run_dir = Path(run_dir)
-    step, files = read_state(state)
-    if (run_dir / "metrics.jsonl").exists() or any((run_dir / "checkpoints").glob("*")):
-        raise ValueError(f"{run_dir} already holds a run; unpack into a new folder")
-    root = run_dir / "checkpoints"
-    folder = root / f"step_{step:07d}"
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True)
-    try:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        ckpt.verify_checkpoint(tmp)  # every check a resume runs, against this code's model
-    except ValueError:
-        shutil.rmtree(tmp)
-        raise
-    tmp.rename(folder)
-    ckpt.mark_latest(root, folder.name)
-    return folder
-
-
-# ---------------------------------------------------------------------------------------------------------
-# state.json: the recipe's history
-# ---------------------------------------------------------------------------------------------------------
-
-def read_history(path: str | Path) -> dict[str, Any]:
-    """A state.json, checked for its format and the fields the leg and adopt read."""
-    path = Path(path)
-    try:
-        history = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read as the recipe's state.json ({e})") from None
-    if not isinstance(history, dict) or history.get("format") != HISTORY_FORMAT:
-        raise ValueError(f"{path} is not a {HISTORY_FORMAT} state.json")
-    for key, kind in (("step", int), ("legs", list), ("state_file", dict), ("tables_seen", int)):
-        if not isinstance(history.get(key), kind):
-            raise ValueError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
-    return history
-
-
-def write_history(path: Path, history: dict[str, Any]) -> None:
-    _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(history, indent=1) + "\n"))
-
-
-def committed(state_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
-    """The committed (history, state file), both None before the first leg; refused when they disagree."""
-    hist_path, state_path = state_dir / HISTORY_FILE, state_dir / STATE_FILE
-    if not hist_path.exists() and not state_path.exists():
-        return None, None
-    if not (hist_path.is_file() and state_path.is_file()):
-        raise ValueError(f"{state_dir} needs both {STATE_FILE} and {HISTORY_FILE} (or neither, before the first "
-                         "leg); restore the missing one from git")
-    history = read_history(hist_path)
-    if sha256(state_path) != history["state_file"].get("sha256"):
-        raise ValueError(f"{state_path} is not the state {hist_path} describes (sha256 differs); restore both "
-                         "from the same commit")
-    return history, state_path
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The leg: resume, train until a stage boundary, a step cap or the deadline, pack into OUT
-# ---------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Stage:
-    """One config of the recipe, used from step `start` until the next stage's start."""
-
-    config: str
-    start: int
-
-
-def parse_stages(texts: list[str]) -> list[Stage]:
-    """'CONFIG:START' items, the first starting at 0 and the starts increasing."""
-    stages = []
-    for text in texts:
-        config, sep, start = text.rpartition(":")
-        if not sep or not start.isdigit():
-            raise ValueError(f"--stage {text!r}: write it as CONFIG:FIRST_STEP, e.g. configs/pretrain/gpu.yaml:0")
-        stages.append(Stage(config, int(start)))
-    starts = [s.start for s in stages]
-    if not stages or starts[0] != 0 or starts != sorted(set(starts)):
-        raise ValueError(f"--stage: the first stage must start at step 0 and the starts increase, got {starts}")
-    return stages
-
-
-def stage_at(stages: list[Stage], step: int) -> tuple[Stage, int | None]:
-    """The stage that runs `step` and the step where the next one starts (None for the last)."""
-    index = max(i for i, s in enumerate(stages) if s.start <= step)
-    return stages[index], stages[index + 1].start if index + 1 < len(stages) else None
-
-
-def stage_configs(stages: list[Stage], overrides: list[str], repo: Path) -> list[Any]:
-    """The RunConfig of every stage, checked to share one schedule (steps and optim) and one model, so that a
-    process of any stage continues the state of another exactly."""
-    from tabfm.config import load_config
-
-    cfgs = [load_config(repo / s.config, overrides) for s in stages]
-    first = cfgs[0]
-    for s, c in zip(stages, cfgs, strict=True):
-        if (c.train.steps, c.optim, c.model) != (first.train.steps, first.optim, first.model):
-            raise ValueError(f"{s.config} differs from {stages[0].config} in train.steps, optim or model: the "
-                             "stages must share one schedule and one model")
-        if c.train.checkpoint_every < 1 or s.start % c.train.checkpoint_every:
-            raise ValueError(f"{s.config}: its start {s.start} must be a multiple of train.checkpoint_every "
-                             f"({c.train.checkpoint_every}) so that a checkpoint lands on the boundary")
-    return cfgs
-
-
-def checkpoint_step(run_dir: Path) -> int:
-    """The step of the run's latest complete checkpoint (0 without one)."""
-    from tabfm import checkpoint as ckpt
-
-    path = ckpt.latest_checkpoint(run_dir)
-    return 0 if path is None else int(ckpt.read_manifest(path)["step"])
-
-
-def roll_back(run_dir: Path, stop_at: int) -> int:
-    """Delete the checkpoints after `stop_at` (a process stopped late ran past it) and point `latest` at the
-    newest one left; returns its step (0 when none is left)."""
-    from tabfm import checkpoint as ckpt
-
-    root = run_dir / "checkpoints"
-    kept = []
-    for path in ckpt.step_checkpoints(root):
-        if int(path.name[len("step_"):]) > stop_at:
-            (path / ckpt.MANIFEST).unlink()
-            shutil.rmtree(path)
-        else:
-            kept.append(path)
-    if not kept:
-        return 0
-    ckpt.mark_latest(root, kept[-1].name)
-    return int(kept[-1].name[len("step_"):])
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGINT to the process group we started (trainer and loader workers), SIGKILL what is left after
-    `grace_s`. Only this group: it was created for `proc` (start_new_session)."""
-    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the trainer is gone; its workers may not be
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
-
-
-@dataclass
-class Leg:
-    """What one leg does and has done (its record goes into state.json)."""
-
-    repo: Path
-    run_dir: Path
-    out: Path
-    deadline: float
-    stages: list[Stage]
-    overrides: list[str]
-    device: str
-    init_from: str
-    leg_steps: int
-    min_segment_s: float
-    save_every_s: float
-    started: float
-    history: dict[str, Any]
-    cfgs: list[Any] = field(default_factory=list)
-    """Each stage's RunConfig (with the overrides)."""
-    from_step: int = 0
-    segments: list[dict[str, Any]] = field(default_factory=list)
-    """The processes that ran: config, first and last step, seconds, why they stopped."""
-    running: dict[str, Any] | None = None
-    """The process running now (config, from, start time), for saves while it trains."""
-    stopped: str = "running"
-    last_save: float = 0.0
-
-
-def _segment_command(leg: Leg, stage: Stage, step: int) -> list[str]:
-    # keep_checkpoints=0: the boundary's checkpoint must survive the steps a stopped process ran past it
-    sets = [*leg.overrides, f"train.out_dir={leg.run_dir}", f"train.device={leg.device}", "train.progress=false",
-            "train.keep_checkpoints=0"]
-    if step == 0 and leg.init_from:  # the recipe's first process: the shipped weights, a fresh optimizer
-        sets.append(f"train.init_from={leg.init_from}")
-    return [sys.executable, "-m", "tabfm.pretrain", "--config", str(leg.repo / stage.config), "--set", *sets,
-            "--resume", "auto"]
-
 
 def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path) -> str:
-    """One tabfm.pretrain process of `stage` from the run's latest checkpoint, stopped once a checkpoint at or
-    past `stop_at` (a stage boundary or the leg's step cap) lands, or at the last checkpoint before the deadline,
-    or at the deadline. Returns why it stopped: 'boundary', 'deadline', 'complete' (the schedule's last step) or
-    'error: ...'."""
-    step0 = checkpoint_step(leg.run_dir)
-    tic = time.time()
-    with open(log, "a") as f:
-        f.write(f"=== {stage.config} from step {step0}, stop at {stop_at}\n")
-        f.flush()
-        proc = subprocess.Popen(_segment_command(leg, stage, step0), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    why, seen, arrivals = "", step0, [tic]
-    leg.running = {"config": stage.config, "from": step0, "tic": tic}
-    try:
-        while why == "":
-            time.sleep(0.5)
-            step, now = checkpoint_step(leg.run_dir), time.time()
-            landed = step != seen
-            if landed:
-                seen = step
-                arrivals.append(now)
-            # Seconds between checkpoints (the first arrival also holds the start-up): stop at the last checkpoint
-            # before the deadline rather than lose the steps after it.
-            interval = arrivals[-1] - arrivals[-2] if len(arrivals) > 2 else 0.0
-            if step >= stop_at:
-                why = "boundary"
-            elif now >= leg.deadline or (landed and now + interval > leg.deadline):
-                why = "deadline"
-            elif proc.poll() is not None:
-                why = "complete" if proc.returncode == 0 else f"error: exit status {proc.returncode}, see the log"
-            elif landed:
-                maybe_save(leg)
-    finally:
-        running = proc.poll() is None
-        stop_process(proc)
-    if running:
-        with open(log, "a") as f:
-            f.write(f"=== stopped by the leg driver (SIGINT to its process group): {why}\n")
-    step = roll_back(leg.run_dir, stop_at)
-    leg.running = None
-    leg.segments.append({"config": stage.config, "from": step0, "to": step, "seconds": round(time.time() - tic, 1),
-                         "stopped": why})
-    return why
+    """gpu_leg.run_segment with this module's `_segment_command` and `stop_process`, looked up at each call: they
+    are the names to replace (tests/test_gpu_recipe.py stands a fake trainer in and shortens the grace)."""
+    return gpu_leg.run_segment(leg, stage, stop_at, log, command=_segment_command, stop=stop_process)
 
 
 def run_leg(leg: Leg) -> dict[str, Any]:
-    """Train segment after segment until the deadline, the leg's step cap or the end of the schedule; then pack
-    the state, merge the model and write state.json into leg.out. Returns the history written."""
-    leg.cfgs = stage_configs(leg.stages, leg.overrides, leg.repo)
-    total = leg.cfgs[0].train.steps
-    leg.from_step = checkpoint_step(leg.run_dir)
-    cap = leg.from_step + leg.leg_steps if leg.leg_steps else total
-    while True:
-        step = checkpoint_step(leg.run_dir)
-        if step >= total or step >= cap or leg.deadline - time.time() < leg.min_segment_s:
-            leg.stopped = "complete" if step >= total else "leg_steps" if step >= cap else "deadline"
-            break
-        stage, end = stage_at(leg.stages, step)
-        why = run_segment(leg, stage, min(end or total, cap, total), leg.out / "train.log")
-        if why in ("boundary", "complete") and checkpoint_step(leg.run_dir) <= step:
-            why = f"error: no checkpoint past step {step} ({why}); see train.log"  # e.g. a cap off the grid
-        if why.startswith("error") or why == "deadline":
-            leg.stopped = why
-            break
-    return save(leg, final=True)
-
-
-def maybe_save(leg: Leg) -> None:
-    """Save into OUT at most every save_every_s while training, so a lease cut short still returns a state."""
-    if time.time() - leg.last_save >= leg.save_every_s:
-        save(leg, final=False)
-
-
-def _segments(leg: Leg, upto: int) -> list[dict[str, Any]]:
-    """The leg's segments so far, the running one up to step `upto`."""
-    done = list(leg.segments)
-    if leg.running is not None:
-        r = leg.running
-        done.append({"config": r["config"], "from": r["from"], "to": upto,
-                     "seconds": round(time.time() - r["tic"], 1), "stopped": "running"})
-    return done
-
-
-def _tables(leg: Leg, segments: list[dict[str, Any]]) -> int:
-    """Tables the segments drew (steps x each stage's batch size x data-parallel replicas)."""
-    by_config = {s.config: c for s, c in zip(leg.stages, leg.cfgs, strict=True)}
-    return sum((seg["to"] - seg["from"]) * by_config[seg["config"]].data.batch_size
-               * by_config[seg["config"]].parallel.dp for seg in segments)
-
-
-def _metrics(path: Path, upto: int) -> list[dict[str, Any]]:
-    """The metric lines of a run up to step `upto` (a stopped process may have logged past the state's step;
-    a torn last line is skipped)."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("step", upto + 1) <= upto:
-                rows.append(row)
-    return rows
-
-
-def _last_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last pretraining evaluation among metric lines (its mean_* numbers)."""
-    evals = [r for r in rows if "eval" in r]
-    if not evals:
-        return None
-    return {"step": evals[-1]["step"], **{k: v for k, v in evals[-1]["eval"].items() if k.startswith("mean")}}
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
-
-
-def save(leg: Leg, final: bool) -> dict[str, Any]:
-    """Pack the latest checkpoint into OUT/state.safetensors, merge it into OUT/model.safetensors and write
-    OUT/state.json (the committed history plus this leg's record); the metrics log goes along."""
-    from tabfm import checkpoint as ckpt
-
-    leg.last_save = time.time()
-    path = ckpt.latest_checkpoint(leg.run_dir)
-    history = json.loads(json.dumps(leg.history))  # a copy: saves while training must not pile up legs
-    if path is None:  # nothing trained yet: the committed state stays what it is
-        return history
-    packed = pack(path, leg.out / STATE_FILE)
-    ckpt.merge(path, leg.out / "model.safetensors", overwrite=True)
-    step = packed["step"]
-    rows = _metrics(leg.run_dir / "metrics.jsonl", step)
-    _write_atomic(leg.out / "metrics.jsonl", lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)))
-    segments = _segments(leg, step)
-    tables = _tables(leg, segments)
-    weights = leg.repo / "tabfm" / "weights" / "tabfm-small.safetensors"
-    record = {
-        "leg": len(history["legs"]) + 1,
-        "started": datetime.fromtimestamp(leg.started, timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_name(leg.device),
-        "from_step": leg.from_step, "to_step": step, "steps": step - leg.from_step, "tables": tables,
-        "train_seconds": round(sum(s["seconds"] for s in segments), 1),
-        "lease_seconds": round(time.time() - leg.started, 1),
-        "segments": segments, "stopped": leg.stopped if final else "running",
-        "eval": _last_eval(rows),
-        "default_sha256": sha256(weights) if weights.is_file() else None,
-        "accuracy": None, "default_replaced": None,
-    }
-    history.update(step=step, data_position=packed["data_position"], tables_seen=history["tables_seen"] + tables,
-                   total_steps=leg.cfgs[0].train.steps, stages=[vars(s) for s in leg.stages],
-                   state_file={"name": STATE_FILE, "bytes": packed["bytes"], "sha256": packed["sha256"]})
-    history["legs"].append(record)
-    write_history(leg.out / HISTORY_FILE, history)
-    return history
-
-
-def new_history(init_from: str) -> dict[str, Any]:
-    """The history before the first leg."""
-    return {"format": HISTORY_FORMAT, "step": 0, "data_position": {}, "tables_seen": 0, "init_from": init_from,
-            "state_file": {}, "legs": []}
+    """gpu_leg.run_leg, its segments run by this module's run_segment (so the replaceable names above hold)."""
+    return gpu_leg.run_leg(leg, segment=run_segment)
 
 
 def cmd_leg(args: argparse.Namespace) -> int:

@@ -88,16 +88,61 @@ def _step_time(model, x, grad) -> float:
     return t.item()
 
 
+def _models(s: Setup, mesh, dry, rank: int) -> tuple[dict, object, object]:
+    """(the block stack parallelized for every (mode, k), this rank's input, its output gradient): the same
+    weights in every model, the dry-run mesh for mode "compute" and the real one otherwise."""
+    import torch
+
+    from tabfm.parallel import dense
+    from tabfm.parallel.layers import ColumnFirstLinear
+    from tabfm.parallel.parallelize import block_plan, parallelize
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(dense.BlockStack(s.depth, s.hidden, s.heads))
+    tokens = s.seq // s.d0 if s.sp else s.seq
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(s.batch, tokens, s.hidden // s.d1, generator=g)
+    grad = torch.randn(s.batch, tokens, s.hidden // s.d1, generator=g)
+    models = {(mode, k): parallelize(copy.deepcopy(plain), dry if mode == "compute" else mesh, block_plan("0"),
+                                     sequence_parallel=s.sp, overlap_chunks=k)
+              for mode in MODES for k in s.chunks}
+    for model in models.values():
+        for m in model.modules():
+            if isinstance(m, ColumnFirstLinear):
+                m.regather_input = not s.keep
+    return models, x, grad
+
+
+def _calibrate(s: Setup, models: dict, dry, x, grad) -> tuple[dict, object]:
+    """({k: (axis-0 calls, traffic) per step}, the emulated link): the volumes read off the dry-run tallies, the
+    link calibrated so that k = 1's modelled axis-0 time equals its compute-only time."""
+    from tabfm.parallel.emulate import Link
+
+    # The axis-0 volume per step of each k, read off the dry-run tallies.
+    volume = {}
+    for k in s.chunks:
+        dry.reset_tallies()
+        models[("compute", k)](x).backward(grad)
+        volume[k] = (dry.axis0.tally.total_calls, dry.axis0.tally.total_traffic)
+    # Calibrate the emulated link: k = 1's modelled axis-0 time equals its compute-only time.
+    k1 = s.chunks[0]
+    compute1 = statistics.median(_step_time(models[("compute", k1)], x, grad) for _ in range(s.warmup + 7))
+    calls1, traffic1 = volume[k1]
+    budget = compute1 - calls1 * s.alpha
+    if traffic1 == 0 or budget <= 0:
+        raise SystemExit(f"{s.name}: no axis-0 traffic to emulate, or alpha too large for the step")
+    return volume, Link(s.alpha, float(traffic1) / budget)
+
+
 def _worker(rank: int, world: int, port: int, setup: Setup, results) -> None:
+    """One rank: build the models, calibrate the link, then time every (mode, k) in interleaved rounds; rank 0
+    puts the medians, ratios and modelled times on `results`."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
-    from tabfm.parallel import dense
-    from tabfm.parallel.emulate import Link, emulate
-    from tabfm.parallel.layers import ColumnFirstLinear
+    from tabfm.parallel.emulate import emulate
     from tabfm.parallel.mesh import ParallelDims, TPMesh
-    from tabfm.parallel.parallelize import block_plan, parallelize
     from tabfm.parallel.process_group import init_process_group
 
     torch.set_num_threads(1)
@@ -106,34 +151,9 @@ def _worker(rank: int, world: int, port: int, setup: Setup, results) -> None:
         s = setup
         mesh = ParallelDims(d0=s.d0, d1=s.d1).build("cpu")
         dry = TPMesh.dry_run(s.d0, s.d1, mesh.i, mesh.j)
-        torch.manual_seed(0)
-        plain = torch.nn.Sequential(dense.BlockStack(s.depth, s.hidden, s.heads))
-        tokens = s.seq // s.d0 if s.sp else s.seq
-        g = torch.Generator().manual_seed(1 + rank)
-        x = torch.randn(s.batch, tokens, s.hidden // s.d1, generator=g)
-        grad = torch.randn(s.batch, tokens, s.hidden // s.d1, generator=g)
-        models = {(mode, k): parallelize(copy.deepcopy(plain), dry if mode == "compute" else mesh, block_plan("0"),
-                                         sequence_parallel=s.sp, overlap_chunks=k)
-                  for mode in MODES for k in s.chunks}
-        for model in models.values():
-            for m in model.modules():
-                if isinstance(m, ColumnFirstLinear):
-                    m.regather_input = not s.keep
-
-        # The axis-0 volume per step of each k, read off the dry-run tallies.
-        volume = {}
-        for k in s.chunks:
-            dry.reset_tallies()
-            models[("compute", k)](x).backward(grad)
-            volume[k] = (dry.axis0.tally.total_calls, dry.axis0.tally.total_traffic)
-        # Calibrate the emulated link: k = 1's modelled axis-0 time equals its compute-only time.
+        models, x, grad = _models(s, mesh, dry, rank)
+        volume, link = _calibrate(s, models, dry, x, grad)
         k1 = s.chunks[0]
-        compute1 = statistics.median(_step_time(models[("compute", k1)], x, grad) for _ in range(s.warmup + 7))
-        calls1, traffic1 = volume[k1]
-        budget = compute1 - calls1 * s.alpha
-        if traffic1 == 0 or budget <= 0:
-            raise SystemExit(f"{s.name}: no axis-0 traffic to emulate, or alpha too large for the step")
-        link = Link(s.alpha, float(traffic1) / budget)
 
         def step(mode: str, k: int) -> float:
             emulate(mesh, {"tp0": link if mode == "emulated" else None})

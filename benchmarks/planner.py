@@ -85,26 +85,14 @@ def _configs(chunks: tuple[int, ...]) -> list[tuple[int, int, bool, int]]:
             for k in chunks]
 
 
-def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _runs(configs: list, meshes: dict, args, rank: int) -> dict:
+    """{layout: (parallelized block stack, its input, its AdamW)} of every layout measured, built before timing
+    starts (same weights on every rank, a different input per rank)."""
     import torch
-    import torch.distributed as dist
 
-    from tabfm.parallel.emulate import Link, emulate
-    from tabfm.parallel.mesh import ParallelDims, factorizations
     from tabfm.parallel.parallelize import parallelize
-    from tabfm.parallel.process_group import init_process_group
-    from tabfm.parallel.topology import ComputeRates, HierarchicalTopology, measure_slowdown, run_measurement
-
-    torch.set_num_threads(1)
-    init_process_group("cpu", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    meshes = {(d0, d1): ParallelDims(d0=d0, d1=d1).build("cpu") for d0, d1 in factorizations(world)}
-    if not args.cached or not Path(cache).is_file():
-        run_measurement(Path(cache), world, "gloo", "cpu", mesh_for=lambda d0, d1: meshes[(d0, d1)])
 
     spec = _spec(args)
-    chunks = tuple(int(k) for k in args.chunks.split(","))
-    configs = _configs(chunks)
     runs = {}
     for cfg in configs:
         d0, d1, sp, k = cfg
@@ -114,6 +102,57 @@ def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> Non
         torch.manual_seed(1 + rank)
         x = torch.randn(b, s // d0 if sp else s, h // d1, requires_grad=True)
         runs[cfg] = (par, x, torch.optim.AdamW(par.parameters(), lr=1e-4))
+    return runs
+
+
+def _links(args, meshes: dict, world: int) -> dict:
+    """{(topology, d0, d1): {axis: emulate.Link or None}}: each emulated hierarchy's bottleneck link per mesh axis
+    (None: no traffic crosses a link, nothing to emulate)."""
+    from tabfm.parallel.emulate import Link
+    from tabfm.parallel.topology import ComputeRates, HierarchicalTopology
+
+    links = {}
+    for name, levels in hierarchies(args).items():
+        hier = HierarchicalTopology(name=name, devices=world, compute=ComputeRates(1.0, 1.0), memory_bytes=1.0,
+                                    levels=levels)
+        for d0, d1 in meshes:
+            links[(name, d0, d1)] = {}
+            for axis in ("tp0", "tp1"):
+                cost = hier.axis_cost(d0, d1, axis)
+                links[(name, d0, d1)][axis] = None if cost.bandwidth == float("inf") else Link(cost.alpha,
+                                                                                               cost.bandwidth)
+    return links
+
+
+def _results(flat: list[float], runs_all: list, slowdowns: list[float], repeats: int) -> dict:
+    """The measured.json main reads: the per-round slowdowns and, per topology and layout key, `repeats` step
+    times (the slowest rank's, `flat` in runs_all order)."""
+    results = {"slowdown": slowdowns}
+    for i, (name, (d0, d1, sp, k)) in enumerate(runs_all):
+        results.setdefault(name, {})[f"{d0}x{d1}|{int(sp)}|{k}"] = flat[i * repeats:(i + 1) * repeats]
+    return results
+
+
+def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> None:
+    """One rank: measure the real links (unless cached), then time every (topology, layout) in rounds; rank 0
+    writes the slowest rank's times to `out`."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from tabfm.parallel.emulate import emulate
+    from tabfm.parallel.mesh import ParallelDims, factorizations
+    from tabfm.parallel.process_group import init_process_group
+    from tabfm.parallel.topology import measure_slowdown, run_measurement
+
+    torch.set_num_threads(1)
+    init_process_group("cpu", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    meshes = {(d0, d1): ParallelDims(d0=d0, d1=d1).build("cpu") for d0, d1 in factorizations(world)}
+    if not args.cached or not Path(cache).is_file():
+        run_measurement(Path(cache), world, "gloo", "cpu", mesh_for=lambda d0, d1: meshes[(d0, d1)])
+
+    configs = _configs(tuple(int(k) for k in args.chunks.split(",")))
+    runs = _runs(configs, meshes, args, rank)
 
     def step(cfg) -> float:
         par, x, opt = runs[cfg]
@@ -128,16 +167,7 @@ def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> Non
 
     # Every (topology, layout) once per round, so a drift in the machine's load hits them all alike; the core
     # sharing slowdown the planner uses is measured in every round too.
-    links = {}
-    for name, levels in hierarchies(args).items():
-        hier = HierarchicalTopology(name=name, devices=world, compute=ComputeRates(1.0, 1.0), memory_bytes=1.0,
-                                    levels=levels)
-        for d0, d1 in meshes:
-            links[(name, d0, d1)] = {}
-            for axis in ("tp0", "tp1"):
-                cost = hier.axis_cost(d0, d1, axis)
-                links[(name, d0, d1)][axis] = None if cost.bandwidth == float("inf") else Link(cost.alpha,
-                                                                                               cost.bandwidth)
+    links = _links(args, meshes, world)
     runs_all = [(name, cfg) for name in hierarchies(args) for cfg in configs]
     times = {key: [] for key in runs_all}
     slowdowns = []
@@ -155,20 +185,62 @@ def _worker(rank: int, world: int, port: int, args, cache: str, out: str) -> Non
         emulate(mesh, {"tp0": None, "tp1": None})
     flat = torch.tensor([t for key in runs_all for t in times[key]], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    flat = flat.tolist()
-    results = {"slowdown": slowdowns}
-    for i, (name, (d0, d1, sp, k)) in enumerate(runs_all):
-        results.setdefault(name, {})[f"{d0}x{d1}|{int(sp)}|{k}"] = flat[i * args.repeats:(i + 1) * args.repeats]
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps(_results(flat.tolist(), runs_all, slowdowns, args.repeats)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _measure(args, world: int, cache: Path) -> dict:
+    """Run the `world` ranks of _worker on a free local port; returns the measured.json rank 0 wrote."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "measured.json")
+        mp.start_processes(_worker, args=(world, port, args, str(cache), out), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def _compare(name: str, topo, ranked: list, measured: dict) -> tuple[list[str], bool, float]:
+    """One emulated topology's table of predicted against measured step times: (report lines, whether the
+    planner's choice is within 5% of the measured fastest, the largest |predicted / measured - 1|)."""
+    from tabfm.parallel.topology import describe
+
+    rows = []
+    for c in ranked:
+        if not c.valid:
+            continue
+        key = f"{c.layout}|{int(c.sequence_parallel)}|{c.chunks}"
+        rows.append((c, statistics.median(measured[name][key])))
+    fastest = min(m for _, m in rows)
+    chosen, chosen_measured = rows[0]
+    within = chosen_measured <= 1.05 * fastest
+    lines, worst = [], 0.0
+    lines.append(f"== {name} (EMULATED): " + " | ".join(
+        f"{d0}x{d1}: {describe(topo.emulated, d0, d1)}" for d0, d1 in ((4, 1), (2, 2), (1, 4))))
+    lines.append(f"{'layout':>8} {'sp':>3} {'k':>2} {'predicted ms':>13} {'measured ms':>12} {'error':>7} "
+                 f"{'pred. rank':>10} {'meas. rank':>10}")
+    by_measured = sorted(rows, key=lambda r: r[1])
+    for c, m in rows:
+        err = c.step_seconds / m - 1
+        worst = max(worst, abs(err))
+        lines.append(f"{c.layout:>8} {'on' if c.sequence_parallel else 'off':>3} {c.chunks:>2} "
+                     f"{c.step_seconds * 1e3:>13.1f} {m * 1e3:>12.1f} {err:>+7.1%} {c.rank:>10} "
+                     f"{[r[0] for r in by_measured].index(c) + 1:>10}")
+    best_label = by_measured[0][0].label
+    lines.append(f"planner chooses {chosen.label}: measured {chosen_measured * 1e3:.1f} ms; measured fastest "
+                 f"{best_label} {fastest * 1e3:.1f} ms -> {'OK' if within else 'MISS'} "
+                 f"({100 * (chosen_measured / fastest - 1):.1f}% from fastest)")
+    lines.append("")
+    return lines, within, worst
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     import torch
-    import torch.multiprocessing as mp
 
     from tabfm.parallel.planner import ComputeModel, plan
     from tabfm.parallel.topology import cache_path, describe, emulated, read_measured
@@ -177,13 +249,7 @@ def main(argv=None) -> int:
     world = 4
     cache = cache_path(world, "gloo")
     started = time.time()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "measured.json")
-        mp.start_processes(_worker, args=(world, port, args, str(cache), out), nprocs=world, start_method="spawn")
-        measured = json.loads(Path(out).read_text())
+    measured = _measure(args, world, cache)
     ran = time.time() - started
 
     real = read_measured(cache)
@@ -210,32 +276,10 @@ def main(argv=None) -> int:
         topo = emulated(name, levels, real)
         ranked = plan(spec, topo, world, dtype="float32", chunks=chunks, optimizer="adamw", memory_fraction=1.0,
                       compute=compute)
-        rows = []
-        for c in ranked:
-            if not c.valid:
-                continue
-            key = f"{c.layout}|{int(c.sequence_parallel)}|{c.chunks}"
-            rows.append((c, statistics.median(measured[name][key])))
-        fastest = min(m for _, m in rows)
-        chosen, chosen_measured = rows[0]
-        within = chosen_measured <= 1.05 * fastest
+        table, within, table_worst = _compare(name, topo, ranked, measured)
+        lines += table
         ok_choice &= within
-        lines.append(f"== {name} (EMULATED): " + " | ".join(
-            f"{d0}x{d1}: {describe(topo.emulated, d0, d1)}" for d0, d1 in ((4, 1), (2, 2), (1, 4))))
-        lines.append(f"{'layout':>8} {'sp':>3} {'k':>2} {'predicted ms':>13} {'measured ms':>12} {'error':>7} "
-                     f"{'pred. rank':>10} {'meas. rank':>10}")
-        by_measured = sorted(rows, key=lambda r: r[1])
-        for c, m in rows:
-            err = c.step_seconds / m - 1
-            worst = max(worst, abs(err))
-            lines.append(f"{c.layout:>8} {'on' if c.sequence_parallel else 'off':>3} {c.chunks:>2} "
-                         f"{c.step_seconds * 1e3:>13.1f} {m * 1e3:>12.1f} {err:>+7.1%} {c.rank:>10} "
-                         f"{[r[0] for r in by_measured].index(c) + 1:>10}")
-        best_label = by_measured[0][0].label
-        lines.append(f"planner chooses {chosen.label}: measured {chosen_measured * 1e3:.1f} ms; measured fastest "
-                     f"{best_label} {fastest * 1e3:.1f} ms -> {'OK' if within else 'MISS'} "
-                     f"({100 * (chosen_measured / fastest - 1):.1f}% from fastest)")
-        lines.append("")
+        worst = max(worst, table_worst)
     lines.append(f"chosen layout within 5% of the measured fastest in every topology: {'yes' if ok_choice else 'NO'}")
     lines.append(f"largest |predicted / measured - 1|: {worst:.1%} (target 25%)")
     lines.append(f"(EMULATED links; measuring took {ran:.0f} s, whole benchmark {time.time() - started:.0f} s)")

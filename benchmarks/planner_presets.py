@@ -26,25 +26,24 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:.2f}"
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (its own function to keep main short)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/plan/transformer_large.yaml")
     p.add_argument("--png", default="benchmarks/results/planner_presets.png")
     p.add_argument("--out", default="benchmarks/results/planner_presets.txt")
-    args = p.parse_args(argv)
+    return p
 
+
+def _preset_table(spec, options) -> tuple[list[str], list[tuple]]:
+    """The first table: ATP's winner and the best 1D layout on each preset; returns (its lines, the rows
+    (preset, N, best, best 1D or None) that _draw plots)."""
     from tabfm.config import load_topology as load_preset
     from tabfm.parallel import planner
-    from tabfm.plan_config import load_plan
 
-    started = time.time()
-    cfg = load_plan(args.config)
-    spec, options = cfg.model, cfg.options()
-    lines = ["ATP vs Megatron 1D on preset machines (planner predictions from vendor figures, not measurements)",
-             f"model: {spec.describe()}; AdamW; dtype of each preset (bfloat16)", ""]
     head = (f"{'preset':<20} {'N':>3}  {'layout':<16} {'step ms':>8} {'exposed ms':>10} {'GB/dev total':>12} "
             f"{'axis 0: GB/dev on link':<40} {'axis 1: GB/dev on link':<40} {'mem GB':>7}")
-    lines += [head, "-" * len(head)]
+    lines = [head, "-" * len(head)]
     rows = []
     for name in PRESETS:
         topo = load_preset(name)
@@ -68,10 +67,18 @@ def main(argv=None) -> int:
             lines.append(f"{'':<20} {'':>3}  ATP/1D step time {best.step_seconds / one_d.step_seconds:.2f}x, "
                          f"traffic per device {sum(best.volume.values()) / sum(one_d.volume.values()):.2f}x")
         rows.append((name, n, best, one_d))
+    return lines, rows
+
+
+def _flat_sweep(spec, options) -> tuple[list[str], list[tuple[int, float, float]], bool]:
+    """The second table: ring traffic per device of the best 2D mesh and of 1D as N grows on the flat64 preset's
+    network; returns (its lines, (N, 2D bytes, 1D bytes) per N, whether both trends hold)."""
+    from tabfm.config import load_topology as load_preset
+    from tabfm.parallel import planner
 
     # The paper's trend on a flat network: same model and tokens, more devices.
     flat = load_preset("flat64")
-    lines += ["", f"flat network ({flat.levels[0].bandwidth / 1e9:.0f} GB/s per device, alpha "
+    lines = ["", f"flat network ({flat.levels[0].bandwidth / 1e9:.0f} GB/s per device, alpha "
               f"{flat.levels[0].alpha * 1e6:.0f} us): ring traffic per device per step, sequence parallelism off, "
               f"1 chunk", f"{'N':>3} {'best 2D mesh':>12} {'GB/dev':>8} {'1D (N x 1)':>10} {'GB/dev':>8} {'ratio':>6}"]
     sweep = []
@@ -94,6 +101,22 @@ def main(argv=None) -> int:
                  f"best mesh is 1D itself, to {_gb(sweep[-1][1])} GB at N=64; strictly from N=8 on): "
                  f"{'yes' if falls else 'NO'}; 1D's grows ({_gb(sweep[0][2])} to {_gb(sweep[-1][2])} GB): "
                  f"{'yes' if flat_1d else 'NO'}")
+    return lines, sweep, falls and flat_1d
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+
+    from tabfm.plan_config import load_plan
+
+    started = time.time()
+    cfg = load_plan(args.config)
+    spec, options = cfg.model, cfg.options()
+    lines = ["ATP vs Megatron 1D on preset machines (planner predictions from vendor figures, not measurements)",
+             f"model: {spec.describe()}; AdamW; dtype of each preset (bfloat16)", ""]
+    table, rows = _preset_table(spec, options)
+    sweep_lines, sweep, trends = _flat_sweep(spec, options)
+    lines += table + sweep_lines
     lines.append(f"({time.time() - started:.0f} s)")
     report = "\n".join(lines)
     print(report)
@@ -102,7 +125,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(report + "\n")
     if args.png:
         _draw(rows, sweep, args.png, spec.describe())
-    return 0 if falls and flat_1d else 1
+    return 0 if trends else 1
 
 
 def _draw(rows, sweep, path, title) -> None:

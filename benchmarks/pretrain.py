@@ -186,7 +186,8 @@ def planner_ranking(args: argparse.Namespace, nproc: int) -> tuple[list[str] | N
     return labels, f"planner.plan() on {topology.name}, predicted s/step: {times}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (its own function to keep main short)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "pretrain" / "small.yaml"))
     parser.add_argument("--rows", type=int, default=256)
@@ -198,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per rank (0: cores // ranks, at least 1; one process also with 1)")
     parser.add_argument("--no-planner", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     cells = args.batch * args.rows * args.features
     print(f"# benchmarks/pretrain.py: {Path(args.config).name}, batch {args.batch} x {args.rows} rows x "
