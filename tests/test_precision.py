@@ -151,8 +151,8 @@ def _norm_stats_under_autocast(d0: int, d1: int) -> dict:
     # bfloat16 parameters without autocast (bfloat16 inference) still get bfloat16 out
     half = ParallelLayerNorm(copy.deepcopy(dense).bfloat16(), mesh)
     s_half, y_half = half.forward_residual(local, local)
-    return {"gathered": seen, "err": float((out.float() - expect).abs().max()),
-            "fused_err": float((fused.float() - expect).abs().max()),
+    return {"gathered": seen, "err": (out.float() - expect).abs().max().item(),
+            "fused_err": (fused.float() - expect).abs().max().item(),
             "dtypes": [str(t.dtype) for t in (out, s, fused, s_half, y_half)]}
 
 
