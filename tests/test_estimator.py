@@ -159,7 +159,8 @@ def test_bad_predict_input_gets_a_clear_error():
         clf.predict(df.rename(columns={"x": "renamed"}))
     with pytest.raises(ValueError, match="missing:\n- noise"):
         clf.predict(df.drop(columns=["noise"]))
-    with pytest.raises(ValueError, match="X has 5 features, but TabFMClassifier is expecting 6"):
+    with pytest.raises(ValueError, match="X has 5 features, but TabFMClassifier is expecting 6"), \
+            pytest.warns(UserWarning, match="does not have valid feature names"):  # scikit-learn's, before the error
         clf.predict(df.drop(columns=["noise"]).to_numpy())
     with pytest.raises(ValueError, match="0 sample"):
         clf.predict(df[:0])
