@@ -5,7 +5,7 @@ once. They are forked from one fork server that imported torch and the parallel 
 fresh interpreter per rank, as `spawn` starts, costs seconds of CPU per process for the imports alone.
 `pool.run(fn, ...)` sends `fn` (a module-level, picklable function) to every rank and returns the list of results
 in rank order; `pool.submit(fn, ...)` sends it and returns at once, so that this process can work meanwhile
-(`.wait()` gives the list).
+(`.wait()` gives the list; `.beside(work)` runs `work` here meanwhile and gives (its result, the list)).
 If any rank raises, the error names the ranks and shows each traceback; a rank that hangs (a collective that
 the others never join) is reported after `timeout` seconds and the pool is rebuilt for the next test.
 """
@@ -118,6 +118,16 @@ class Pending:
             raise RuntimeError(f"{self._name}: its results were taken already")
         self._done = True
         return self._pool._collect(self._name)
+
+    def beside(self, work: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """(work(), the ranks' results): `work` runs in this process while the ranks compute (e.g. the
+        one-process reference), then the results are waited for, even when `work` raised, so that the pool is
+        free for the next test."""
+        try:
+            here = work()
+        finally:
+            results = self.wait()
+        return here, results
 
 
 class RankPool:

@@ -56,11 +56,9 @@ def _train_auto(tmp: str) -> tuple:
 @pytest.mark.slow
 def test_auto_on_four_ranks_uses_the_planner_winner_on_every_rank(ranks, tmp_path, request):
     (tmp_path / "pairs.yaml").write_text(PAIRS)
-    pending = ranks(4).submit(_train_auto, str(tmp_path))  # rank 0 plans while this process plans the module's
-    try:
-        best, _ = planner.choose_layout_from(*request.getfixturevalue("pairs_plan")[:2])
-    finally:
-        results = pending.wait()
+    # rank 0 plans while this process plans the module's
+    (best, _), results = ranks(4).submit(_train_auto, str(tmp_path)).beside(
+        lambda: planner.choose_layout_from(*request.getfixturevalue("pairs_plan")[:2]))
     chosen = results[0]
     assert (chosen["d0"], chosen["d1"], chosen["sequence_parallel"], chosen["overlap_chunks"]) == \
         (best.d0, best.d1, best.sequence_parallel, best.chunks)
@@ -161,11 +159,8 @@ def test_planner_counts_the_inducing_column_stage_as_the_ranks_run_it(ranks, d0,
     axis and phase, exactly the collectives, bytes and traffic the 4 ranks send."""
     from tabfm.parallel.plan_trace import trace
 
-    pending = ranks(4).submit(_real_step_tallies, d0, d1, sp)
-    try:
-        traced = trace(_inducing_source(), d0, d1, sp, 1)
-    finally:
-        results = pending.wait()
+    traced, results = ranks(4).submit(_real_step_tallies, d0, d1, sp).beside(
+        lambda: trace(_inducing_source(), d0, d1, sp, 1))
     for real in results:
         for phase in ("forward", "backward"):
             assert real[phase] == traced.tallies[phase], phase

@@ -175,11 +175,8 @@ def _sharded_local(tp: tuple[int, int] | None, sp: bool) -> tuple[np.ndarray, np
 
 @pytest.mark.parametrize("world,d0,d1,sp", [(2, 2, 1, True), (4, 2, 2, False)])
 def test_sharded_local_contexts_equal_one_process(ranks, world, d0, d1, sp):
-    pending = ranks(world).submit(_sharded_local, (d0, d1), sp)
-    try:  # the one-process reference here, once, while the ranks work
-        clf, reg = _sharded_local(None, sp)
-    finally:
-        results = pending.wait()
+    # the one-process reference here, once, while the ranks work
+    (clf, reg), results = ranks(world).submit(_sharded_local, (d0, d1), sp).beside(lambda: _sharded_local(None, sp))
     for tp_clf, tp_reg in results:
         np.testing.assert_allclose(tp_clf, clf, rtol=0, atol=1e-10)
         np.testing.assert_allclose(tp_reg, reg, rtol=1e-10, atol=1e-10)
