@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -143,8 +142,8 @@ class Leg:
 
 
 def segment_command(leg: Leg, stage: Stage, step: int) -> list[str]:
-    """The command line of one tabfm.pretrain process of `stage` resuming the run at `step` (gpu_state.py's
-    `_segment_command`, which tests replace by a stand-in trainer)."""
+    """The command line of one tabfm.pretrain process of `stage` resuming the run at `step` (a test replaces it
+    by a stand-in trainer)."""
     # keep_checkpoints=0: the boundary's checkpoint must survive the steps a stopped process ran past it
     sets = [*leg.overrides, f"train.out_dir={leg.run_dir}", f"train.device={leg.device}", "train.progress=false",
             "train.keep_checkpoints=0"]
@@ -154,20 +153,17 @@ def segment_command(leg: Leg, stage: Stage, step: int) -> list[str]:
             "--resume", "auto"]
 
 
-def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path,
-                command: Callable[[Leg, Stage, int], list[str]] = segment_command,
-                stop: Callable[[subprocess.Popen], None] = stop_process) -> str:
+def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path) -> str:
     """One tabfm.pretrain process of `stage` from the run's latest checkpoint, stopped once a checkpoint at or
     past `stop_at` (a stage boundary or the leg's step cap) lands, or at the last checkpoint before the deadline,
     or at the deadline. Returns why it stopped: 'boundary', 'deadline', 'complete' (the schedule's last step) or
-    'error: ...'. `command` builds the process's command line and `stop` stops it (gpu_state.py passes its own
-    names, so that a test's stand-ins for them take effect)."""
+    'error: ...'."""
     step0 = checkpoint_step(leg.run_dir)
     tic = time.time()
     with open(log, "a") as f:
         f.write(f"=== {stage.config} from step {step0}, stop at {stop_at}\n")
         f.flush()
-        proc = subprocess.Popen(command(leg, stage, step0), stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(segment_command(leg, stage, step0), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     why, seen, arrivals = "", step0, [tic]
     leg.running = {"config": stage.config, "from": step0, "tic": tic}
@@ -192,7 +188,7 @@ def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path,
                 maybe_save(leg)
     finally:
         running = proc.poll() is None
-        stop(proc)
+        stop_process(proc)
     if running:
         with open(log, "a") as f:
             f.write(f"=== stopped by the leg driver (SIGINT to its process group): {why}\n")
@@ -203,8 +199,8 @@ def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path,
     return why
 
 
-def run_leg(leg: Leg, segment: Callable[[Leg, Stage, int, Path], str] = run_segment) -> dict[str, Any]:
-    """Train segment after segment (each by `segment`, run_segment's signature) until the deadline, the leg's step
+def run_leg(leg: Leg) -> dict[str, Any]:
+    """Train segment after segment (run_segment) until the deadline, the leg's step
     cap or the end of the schedule; then pack the state, merge the model and write state.json into leg.out.
     Returns the history written."""
     leg.cfgs = stage_configs(leg.stages, leg.overrides, leg.repo)
@@ -217,7 +213,7 @@ def run_leg(leg: Leg, segment: Callable[[Leg, Stage, int, Path], str] = run_segm
             leg.stopped = "complete" if step >= total else "leg_steps" if step >= cap else "deadline"
             break
         stage, end = stage_at(leg.stages, step)
-        why = segment(leg, stage, min(end or total, cap, total), leg.out / "train.log")
+        why = run_segment(leg, stage, min(end or total, cap, total), leg.out / "train.log")
         if why in ("boundary", "complete") and checkpoint_step(leg.run_dir) <= step:
             why = f"error: no checkpoint past step {step} ({why}); see train.log"  # e.g. a cap off the grid
         if why.startswith("error") or why == "deadline":

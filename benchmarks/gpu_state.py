@@ -42,10 +42,8 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules, also when loaded by file path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-import gpu_leg  # noqa: E402
-from gpu_leg import Leg, Stage, new_history, parse_stages, stage_at, stage_configs, stop_process  # noqa: E402
-from gpu_leg import device_name as _device_name  # noqa: E402
-from gpu_leg import segment_command as _segment_command  # noqa: E402
+from gpu_leg import (Leg, Stage, device_name, new_history, parse_stages, run_leg, run_segment,  # noqa: E402
+                     stage_at, stage_configs, stop_process)
 from gpu_statefile import (  # noqa: E402
     HISTORY_FILE, STATE_FILE, committed, pack, read_history, sha256, unpack, write_history)
 
@@ -59,21 +57,6 @@ DEFAULT_WEIGHTS = REPO / "tabfm" / "weights" / "tabfm-small.safetensors"
 DEFAULT_STATE_DIR = REPO / "benchmarks" / "gpu_state"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The leg (benchmarks/gpu_leg.py), through this module's names
-# ---------------------------------------------------------------------------------------------------------
-
-def run_segment(leg: Leg, stage: Stage, stop_at: int, log: Path) -> str:
-    """gpu_leg.run_segment with this module's `_segment_command` and `stop_process`, looked up at each call: they
-    are the names to replace (tests/test_gpu_recipe.py stands a fake trainer in and shortens the grace)."""
-    return gpu_leg.run_segment(leg, stage, stop_at, log, command=_segment_command, stop=stop_process)
-
-
-def run_leg(leg: Leg) -> dict[str, Any]:
-    """gpu_leg.run_leg, its segments run by this module's run_segment (so the replaceable names above hold)."""
-    return gpu_leg.run_leg(leg, segment=run_segment)
-
-
 def cmd_leg(args: argparse.Namespace) -> int:
     """Prepare the run folder from the committed state (or the shipped weights), then run the leg."""
     repo, run_dir, out = Path(args.repo), Path(args.run), Path(args.out)
@@ -82,7 +65,7 @@ def cmd_leg(args: argparse.Namespace) -> int:
     history, state = committed(Path(args.state_dir))
     import torch
 
-    print(f"torch {torch.__version__} on {_device_name(args.device)}; state: "
+    print(f"torch {torch.__version__} on {device_name(args.device)}; state: "
           f"{'step ' + str(history['step']) if history else 'none yet (the first leg)'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     if state is not None:

@@ -235,9 +235,10 @@ def test_a_leg_stops_its_trainer_and_workers_at_the_deadline(tmp_path, monkeypat
     fake = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"open({str(tmp_path / 'pids')!r}, 'w').write(f'{{w.pid}}'); time.sleep(60)")
-    monkeypatch.setattr(gpu_state, "_segment_command", lambda leg, stage, step: [sys.executable, "-c", fake])
-    stop = gpu_state.stop_process
-    monkeypatch.setattr(gpu_state, "stop_process", lambda proc: stop(proc, grace_s=0.5))
+    leg_driver = sys.modules["gpu_leg"]  # benchmarks/gpu_leg.py, imported by gpu_state: its names are replaced
+    monkeypatch.setattr(leg_driver, "segment_command", lambda leg, stage, step: [sys.executable, "-c", fake])
+    stop = leg_driver.stop_process
+    monkeypatch.setattr(leg_driver, "stop_process", lambda proc: stop(proc, grace_s=0.5))
     stage = gpu_state.Stage("configs/pretrain/gpu.yaml", 0)
     leg = gpu_state.Leg(repo=ROOT, run_dir=tmp_path / "run", out=tmp_path, deadline=time.time() + 3.0, stages=[stage],
                         overrides=[], device="cpu", init_from="", leg_steps=0, min_segment_s=0, save_every_s=60,
