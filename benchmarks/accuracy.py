@@ -118,8 +118,6 @@ class RealTable:
                 "classes": len(self.classes), "skew": skew}
 
 
-
-
 def suite_tables(suite: str) -> list[str]:
     """The table names of one suite (every sidecar of its folder but the suite's index)."""
     return sorted(f.stem for f in SUITES[suite].glob("*.json") if f.stem != "index")
@@ -281,8 +279,6 @@ def run_fold(t: RealTable, k: int, models: list[str], ours: dict[str, Any], resu
             res.metrics.setdefault(key, []).append(v)
 
 
-
-
 def learning_curve_lines(tables: dict[str, RealTable], ours: dict[str, Any]) -> list[str]:
     """Log-loss (classification) or R^2 (regression) on fold 0's test rows against the number of train rows
     (a random subset of the other folds, the same for every model): ours beside logreg / ridge and HGB."""
@@ -330,8 +326,6 @@ def _warm_up(ours: dict[str, Any]) -> None:
     rng = np.random.default_rng(0)
     X = rng.normal(size=(16, 2))
     _ours(TabFMClassifier, ours).fit(X, np.arange(16) % 2).predict_proba(X)
-
-
 
 
 def _parser() -> argparse.ArgumentParser:
