@@ -47,9 +47,10 @@ from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # 
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import inference_autocast, resolve_precision, resolve_weight_dtype
 from tabfm.linear_base import LogisticModel
-from tabfm.local_context import LocalContexts, column_relevance
+from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
+from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
                               torch_threads)
 
@@ -86,22 +87,6 @@ _BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _V
                      "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None],
                      "local_context_rows": [Interval(numbers.Integral, 2, None, closed="left"), None]}
 _BASE_CONSTRAINTS.pop("calibrate")
-
-
-def _padded_chunks(counts: list[int], slack: float = 1.5) -> list[np.ndarray]:
-    """Tables (positions in `counts`, the test rows routed to each) grouped for one padded forward each: largest
-    first, a group grows while its padded rows (size x its largest count) stay within `slack` x its real rows.
-    Tables with no rows are left out."""
-    order = [int(t) for t in np.argsort(-np.asarray(counts), kind="stable") if counts[t] > 0]
-    chunks: list[list[int]] = []
-    for t in order:
-        if chunks:
-            chunk = chunks[-1]
-            if (len(chunk) + 1) * counts[chunk[0]] <= slack * (sum(counts[c] for c in chunk) + counts[t]):
-                chunk.append(t)
-                continue
-        chunks.append([t])
-    return [np.asarray(c, np.int64) for c in chunks]
 
 
 class _TabFMBase(BaseEstimator):
@@ -275,17 +260,24 @@ class _TabFMBase(BaseEstimator):
             groups += np.array_split(same, math.ceil(len(same) / size))
         return groups
 
+    def _table_workers(self) -> int:
+        """Threads the contexts' forwards are spread over (tabfm.table_threads)."""
+        return table_workers(self.device_, sharded=self.tensor_parallel is not None)
+
     def _encode_contexts(self) -> None:
-        model = self._model()
-        contexts: list[tuple[np.ndarray, Context]] = []
-        for units in self._context_groups():
+        """Encode every context once, each group cut into one slice of contexts per table thread."""
+        model, workers = self._model(), self._table_workers()
+
+        def encode(units: np.ndarray) -> tuple[np.ndarray, Context]:
             parts = self._unit_values(self.train_cells_, units, self.context_rows_[units])
             labels = torch.from_numpy(np.stack([
                 self._member_labels(self.context_members_[u], self.y_train_[self.context_rows_[u]]) for u in units]))
             batch = self._batch(parts, labels, self.context_rows_.shape[1], self._n_outputs())
             with self._autocast():
-                contexts.append((units, encode_context(model, batch)))
-        self.contexts_ = contexts
+                return units, encode_context(model, batch)
+
+        slices = [part for units in self._context_groups() for part in np.array_split(units, min(workers, len(units)))]
+        self.contexts_ = map_tables(encode, slices, workers)
         self._contexts_encoded()
 
     def _contexts_encoded(self) -> None:
@@ -325,29 +317,40 @@ class _TabFMBase(BaseEstimator):
 
     def _batch_outputs(self, model: TabFM, cells: Cells) -> tuple[np.ndarray, np.ndarray]:
         """(outputs [M, n, Y], contexts [M, n]) of one test batch: every row against each member's one context,
-        or with local contexts against the context each member routes it to (tabfm.local_context)."""
+        or with local contexts against the context each member routes it to (tabfm.local_context); the forwards
+        spread over the table threads."""
         n = len(cells.values)
         route = None if self.local_ is None else self.local_.route(cells)  # [M, n]
         units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
-        out = None
+        workers = self._table_workers()
+        jobs = []  # (context, its tables in this forward, their units, each one's test rows or None: all)
         for units, context in self.contexts_:
             if route is None:
-                res = self._context_outputs(model, context, self._unit_values(cells, units))
-                if out is None:
-                    out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
-                out[self.context_members_[units]] = res
+                jobs.append((context, None, units, None))
                 continue
             rows = [np.flatnonzero(route[self.context_members_[u]] == u) for u in units]
-            for tables in _padded_chunks([len(r) for r in rows]):
-                width = max(len(rows[t]) for t in tables)
-                padded = np.stack([np.resize(rows[t], width) for t in tables])  # repeats: harmless extra queries
-                in_order = np.array_equal(tables, np.arange(len(units)))
-                sliced = context if in_order else context.select(torch.as_tensor(tables))
-                res = self._context_outputs(model, sliced, self._unit_values(cells, units[tables], padded))
-                if out is None:
-                    out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
-                for j, t in enumerate(tables):
-                    out[self.context_members_[units[t]], rows[t]] = res[j, :len(rows[t])]
+            jobs += [(context, part, units[part], [rows[t] for t in part])
+                     for tables in padded_chunks([len(r) for r in rows])
+                     for part in np.array_split(tables, min(workers, len(tables)))]
+
+        def forward(job) -> np.ndarray:
+            context, tables, units, rows = job
+            if rows is None:
+                return self._context_outputs(model, context, self._unit_values(cells, units))
+            width = max(len(r) for r in rows)
+            padded = np.stack([np.resize(r, width) for r in rows])  # repeats: harmless extra queries
+            if not np.array_equal(tables, np.arange(context.num_tables)):
+                context = context.select(torch.as_tensor(tables))  # in the thread: one slice's copy at a time
+            return self._context_outputs(model, context, self._unit_values(cells, units, padded))
+
+        out = None
+        for (_, _, units, rows), res in zip(jobs, map_tables(forward, jobs, workers), strict=True):
+            if out is None:
+                out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
+            if rows is None:
+                out[self.context_members_[units]] = res
+            for j, r in enumerate(rows or []):
+                out[self.context_members_[units[j]], r] = res[j, :len(r)]
         return out, units_of
 
     def _context_outputs(self, model: TabFM, context: Context, parts: dict[str, Any]) -> np.ndarray:
@@ -429,7 +432,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     verbose : bool, default=False
         A progress bar over test batches.
     n_jobs : int or None, default=None
-        Torch (and BLAS) threads during fit and predict, restored after; -1: every core; None: torch's setting.
+        CPU threads during fit and predict (torch's and BLAS's, restored after); -1: every core; None: torch's
+        setting. The contexts' forwards run as that many slices of tables, one thread each (tabfm.table_threads).
         On a busy machine, or under joblib parallelism, 1 is often fastest.
     local_context_rows : int or None, default=256
         With more train rows than this, each member is shown local contexts: overlapping neighbourhoods of this

@@ -229,3 +229,19 @@ def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: in
         d = d + far * (home[None] != torch.arange(start, start + len(a))[:, None])  # home rows first
         out.append(torch.topk(d, rows, dim=1, largest=False).indices)
     return np.sort(torch.cat(out).numpy(), 1).astype(np.int64), home.numpy().astype(np.int64) + offset
+
+
+def padded_chunks(counts: list[int], slack: float = 1.5) -> list[np.ndarray]:
+    """Tables (positions in `counts`, the test rows routed to each) grouped for one padded forward each: largest
+    first, a group grows while its padded rows (size x its largest count) stay within `slack` x its real rows.
+    Tables with no rows are left out."""
+    order = [int(t) for t in np.argsort(-np.asarray(counts), kind="stable") if counts[t] > 0]
+    chunks: list[list[int]] = []
+    for t in order:
+        if chunks:
+            chunk = chunks[-1]
+            if (len(chunk) + 1) * counts[chunk[0]] <= slack * (sum(counts[c] for c in chunk) + counts[t]):
+                chunk.append(t)
+                continue
+        chunks.append([t])
+    return [np.asarray(c, np.int64) for c in chunks]

@@ -12,8 +12,8 @@ import torch
 from builders import mixed_frame
 
 from tabfm.data.encode import IGNORE_LABEL
-from tabfm.estimator import TabFMClassifier, TabFMRegressor, _padded_chunks
-from tabfm.local_context import OVERLAP, LocalContexts, column_relevance
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
+from tabfm.local_context import OVERLAP, LocalContexts, column_relevance, padded_chunks
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -74,7 +74,7 @@ def test_columns_that_explain_the_target_weigh_most_in_the_distance():
 
 def test_padded_chunks_cover_every_routed_table_once_within_the_slack():
     counts = [10, 0, 9, 1, 5, 5, 40, 2]
-    chunks = _padded_chunks(counts)
+    chunks = padded_chunks(counts)
     flat = np.concatenate(chunks)
     assert sorted(flat.tolist()) == [t for t, c in enumerate(counts) if c > 0]
     for chunk in chunks:

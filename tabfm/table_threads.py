@@ -1,0 +1,61 @@
+"""Forwards over independent tables spread over CPU threads, one intra-op thread each.
+
+The estimators' forwards on a CPU are many small ops (embeddings of 32, attention heads of 8): torch's intra-op
+threads (one OpenMP team inside each op) spend much of each op starting and joining, so two cores give a forward
+only ~1.2x. Tables never interact in a forward, so the estimators split their contexts into slices of tables and
+run the slices on as many Python threads as torch would use intra-op threads, each thread with one intra-op
+thread: ~1.5x on 2 cores (`python benchmarks/inference.py --table-threads`). torch releases the GIL inside ops,
+and grad mode, autocast and the intra-op thread count are per thread in torch, so each slice runs in the same
+modes whichever thread takes it, and its outputs are the ones one batch of all tables gives (up to the float
+rounding of batched matmuls of another batch size).
+
+Only for the CPU and a model without a mesh: a tensor-parallel forward runs collectives, which every rank must
+issue in one order, and an accelerator runs one stream anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+__all__ = ["map_tables", "sequential_tables", "table_workers"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def sequential_tables() -> Iterator[None]:
+    """Within the block (this thread), table slices run one after another with torch's intra-op threads, as
+    before table threads existed: the benchmark's reference and the tests' comparison."""
+    before = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = before
+
+
+def table_workers(device: torch.device | str, sharded: bool = False) -> int:
+    """Threads for table slices: torch's intra-op thread count of the calling thread (the estimator's n_jobs sets
+    it) on a CPU; 1 on an accelerator, under a tensor-parallel mesh (`sharded`) or in sequential_tables()."""
+    if getattr(_state, "off", False) or sharded or torch.device(device).type != "cpu":
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+    """[fn(item) for item in items], run on up to `workers` threads of one intra-op thread each; results in the
+    items' order, and the first exception raised in a thread is raised here."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="tabfm-tables",
+                            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        return list(pool.map(fn, items))

@@ -1,0 +1,137 @@
+"""Table threads (tabfm.table_threads): the estimators' forwards spread over CPU threads give the predictions of
+one thread running the same forwards in sequence, each worker runs with one intra-op thread, and nothing runs
+threaded where it must not (an accelerator, a tensor-parallel mesh, n_jobs=1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from builders import mixed_frame
+
+import tabfm.estimator as estimator_module
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
+from tabfm.table_threads import map_tables, sequential_tables, table_workers
+
+
+def test_map_tables_keeps_order_and_runs_each_item_with_one_intra_op_thread():
+    seen = []
+
+    def work(i):
+        seen.append((threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
+        return i * i
+
+    before = torch.get_num_threads()
+    assert map_tables(work, list(range(12)), workers=2) == [i * i for i in range(12)]
+    assert {n for _, n, _ in seen} == {1}
+    assert all(name.startswith("tabfm-tables") for name, _, _ in seen)
+    assert torch.get_num_threads() == before  # the caller's threads untouched
+
+
+def test_map_tables_with_one_worker_runs_in_the_calling_thread():
+    names = map_tables(lambda _: threading.current_thread().name, [0, 1, 2], workers=1)
+    assert names == [threading.current_thread().name] * 3
+
+
+def test_map_tables_raises_what_a_worker_raised():
+    def work(i):
+        if i == 3:
+            raise ValueError("table 3 is bad")
+        return i
+
+    with pytest.raises(ValueError, match="table 3 is bad"):
+        map_tables(work, list(range(6)), workers=2)
+
+
+def test_workers_follow_the_intra_op_threads_on_cpu_only():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert table_workers("cpu") == 3
+        assert table_workers(torch.device("cpu"), sharded=True) == 1  # collectives need one order on every rank
+        assert table_workers("meta") == 1
+        with sequential_tables():
+            assert table_workers("cpu") == 1
+            # per thread: another thread still spreads its tables
+            other = []
+            t = threading.Thread(target=lambda: other.append(table_workers("cpu")))
+            t.start()
+            t.join()
+            assert other == [3]
+        assert table_workers("cpu") == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def _forward_threads(monkeypatch) -> list[str]:
+    """Names of the threads the estimator's context encodings and test forwards run on."""
+    names: list[str] = []
+    for name in ("encode_context", "predict_logits"):
+        real = getattr(estimator_module, name)
+
+        def recorded(*args, _real=real, **kwargs):
+            names.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(estimator_module, name, recorded)
+    return names
+
+
+@pytest.mark.parametrize("local_context_rows", [48, None])
+@pytest.mark.parametrize("Estimator", [TabFMClassifier, TabFMRegressor])
+def test_threaded_predictions_equal_sequential_ones(Estimator, local_context_rows, monkeypatch):
+    """float64: every member's outputs, through calibration (the classifier's probe is a second fit and predict),
+    local or global contexts, equal the sequential forwards' to 1e-12; the threaded fit really used 2 threads."""
+    X, y = mixed_frame(n=240, seed=3)
+    if Estimator is TabFMRegressor:
+        y = X["x"].to_numpy() * 2 + (X["colour"] == "red") + np.random.default_rng(3).normal(size=len(X)) * 0.1
+    X_test = X.iloc[:90]
+    params = dict(n_estimators=3, dtype="float64", n_jobs=2, local_context_rows=local_context_rows, random_state=0)
+    with sequential_tables():
+        want = Estimator(**params).fit(X, y)
+        want_out = want.predict_proba(X_test) if Estimator is TabFMClassifier else want.predict(X_test)
+    names = _forward_threads(monkeypatch)
+    got = Estimator(**params).fit(X, y)
+    got_out = got.predict_proba(X_test) if Estimator is TabFMClassifier else got.predict(X_test)
+    assert len({n for n in names if n.startswith("tabfm-tables")}) == 2
+    assert not [n for n in names if not n.startswith("tabfm-tables")]
+    np.testing.assert_allclose(got_out, want_out, rtol=0, atol=1e-12)
+    if Estimator is TabFMClassifier:
+        assert got.temperature_ == pytest.approx(want.temperature_, abs=1e-9)
+
+
+def test_float32_threaded_predictions_are_within_rounding_of_sequential_ones():
+    X, y = mixed_frame(n=240, seed=4)
+    params = dict(n_estimators=2, n_jobs=2, local_context_rows=48, random_state=0)
+    with sequential_tables():
+        want = TabFMClassifier(**params).fit(X, y).predict_proba(X)
+    got = TabFMClassifier(**params).fit(X, y).predict_proba(X)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_one_job_runs_every_forward_in_the_calling_thread(monkeypatch):
+    X, y = mixed_frame(n=200, seed=5)
+    names = _forward_threads(monkeypatch)
+    TabFMClassifier(n_estimators=2, n_jobs=1, local_context_rows=48).fit(X, y).predict_proba(X.iloc[:20])
+    assert names and set(names) == {threading.current_thread().name}
+
+
+def test_benchmark_prints_both_sides_and_their_ratio(tmp_path, capsys):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "table_threads.py"
+    spec = importlib.util.spec_from_file_location("table_threads_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--sizes", "150x40", "--repeats", "1", "--n-jobs", "2", "--settings", "classifier-1-member,regressor",
+                "--txt", str(tmp_path / "t.txt")])
+    rows = [line for line in (tmp_path / "t.txt").read_text().splitlines() if "150x40" in line]
+    assert [r.split()[0] for r in rows] == ["classifier-1-member", "regressor"]
+    for row in rows:
+        fields = row.split("|")
+        seq, thr = (float(fields[i].split()[-1]) for i in (1, 2))
+        speed_up, diff = fields[3].split()
+        assert float(speed_up.rstrip("x")) == pytest.approx(seq / thr, rel=0.02)
+        assert float(diff) < 1e-4
