@@ -31,7 +31,7 @@ print(TabFMClassifier(n_estimators=1).fit(X[:40], y[:40]).score(X[40:], y[40:]))
 
 @pytest.mark.slow
 def test_installed_wheel_finds_presets_and_weights(tmp_path):
-    pytest.importorskip("setuptools", minversion="69")
+    pytest.importorskip("setuptools", minversion="77")
     src, wheels = tmp_path / "src", tmp_path / "wheels"  # a copy: the build writes build/ and egg-info in its tree
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".*", "build", "dist", "runs", "out", "*.egg-info",
                                                               "__pycache__"))
