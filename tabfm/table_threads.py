@@ -4,7 +4,7 @@ The estimators' forwards on a CPU are many small ops (embeddings of 32, attentio
 threads (one OpenMP team inside each op) spend much of each op starting and joining, so two cores give a forward
 only ~1.2x. Tables never interact in a forward, so the estimators split their contexts into slices of tables and
 run the slices on as many Python threads as torch would use intra-op threads, each thread with one intra-op
-thread: ~1.5x on 2 cores (`python benchmarks/inference.py --table-threads`). torch releases the GIL inside ops,
+thread: ~1.5x on 2 cores (`python benchmarks/table_threads.py`). torch releases the GIL inside ops,
 and grad mode, autocast and the intra-op thread count are per thread in torch, so each slice runs in the same
 modes whichever thread takes it, and its outputs are the ones one batch of all tables gives (up to the float
 rounding of batched matmuls of another batch size).
@@ -53,9 +53,13 @@ def table_workers(device: torch.device | str, sharded: bool = False) -> int:
 
 def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
     """[fn(item) for item in items], run on up to `workers` threads of one intra-op thread each; results in the
-    items' order, and the first exception raised in a thread is raised here."""
+    items' order. The first exception raised in a thread (or a KeyboardInterrupt here) is raised here once the
+    running items end; the items not yet started are dropped, not run."""
     if workers <= 1 or len(items) <= 1:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="tabfm-tables",
-                            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    pool = ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="tabfm-tables",
+                              initializer=torch.set_num_threads, initargs=(1,))
+    try:
         return list(pool.map(fn, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

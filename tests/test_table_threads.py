@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +38,20 @@ def test_map_tables_with_one_worker_runs_in_the_calling_thread():
     assert names == [threading.current_thread().name] * 3
 
 
-def test_map_tables_raises_what_a_worker_raised():
+def test_map_tables_raises_what_a_worker_raised_and_drops_the_items_not_started():
+    started = []
+
     def work(i):
-        if i == 3:
-            raise ValueError("table 3 is bad")
+        started.append(i)
+        if i == 0:
+            raise ValueError("table 0 is bad")
+        time.sleep(0.02)
         return i
 
-    with pytest.raises(ValueError, match="table 3 is bad"):
-        map_tables(work, list(range(6)), workers=2)
+    with pytest.raises(ValueError, match="table 0 is bad"):
+        map_tables(work, list(range(200)), workers=2)
+    time.sleep(0.1)  # nothing runs on after the raise
+    assert 0 in started and len(started) < 50
 
 
 def test_workers_follow_the_intra_op_threads_on_cpu_only():
