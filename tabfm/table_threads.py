@@ -3,11 +3,11 @@
 The estimators' forwards on a CPU are many small ops (embeddings of 32, attention heads of 8): torch's intra-op
 threads (one OpenMP team inside each op) spend much of each op starting and joining, so two cores give a forward
 only ~1.2x. Tables never interact in a forward, so the estimators split their contexts into slices of tables and
-run the slices on as many Python threads as torch would use intra-op threads, each thread with one intra-op
-thread: ~1.5x on 2 cores (`python benchmarks/table_threads.py`). torch releases the GIL inside ops,
-and grad mode, autocast and the intra-op thread count are per thread in torch, so each slice runs in the same
-modes whichever thread takes it, and its outputs are the ones one batch of all tables gives (up to the float
-rounding of batched matmuls of another batch size).
+run the slices on as many Python threads as torch would use intra-op threads, each thread with one intra-op thread:
+the forwards ~1.5x faster on 2 cores, fit + predict 1.2-1.4x (`python benchmarks/table_threads.py`). torch releases
+the GIL inside ops, and grad mode, autocast and the intra-op thread count are per thread in torch, so each slice
+runs in the same modes whichever thread takes it, and its outputs are the ones one batch of all tables gives (up to
+the float rounding of batched matmuls of another batch size).
 
 Only for the CPU and a model without a mesh: a tensor-parallel forward runs collectives, which every rank must
 issue in one order, and an accelerator runs one stream anyway.
