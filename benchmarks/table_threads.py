@@ -13,6 +13,7 @@ make_regression, seed 0, as benchmarks/inference.py), best total of --repeats af
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -54,10 +55,7 @@ def compare(Estimator, params: dict, data: tuple, repeats: int) -> dict:
         run_once(Estimator, params, data)  # warm-up: the model's load and first-call setup
     for _ in range(repeats):
         for side in best:
-            if side == "sequential":
-                with sequential_tables():
-                    fit_s, pred_s, outs[side] = run_once(Estimator, params, data)
-            else:
+            with sequential_tables() if side == "sequential" else contextlib.nullcontext():
                 fit_s, pred_s, outs[side] = run_once(Estimator, params, data)
             if fit_s + pred_s < sum(best[side]):
                 best[side] = (fit_s, pred_s)

@@ -349,8 +349,9 @@ class _TabFMBase(BaseEstimator):
                 out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
             if rows is None:
                 out[self.context_members_[units]] = res
-            for j, r in enumerate(rows or []):
-                out[self.context_members_[units[j]], r] = res[j, :len(r)]
+            else:
+                for j, r in enumerate(rows):
+                    out[self.context_members_[units[j]], r] = res[j, :len(r)]
         return out, units_of
 
     def _context_outputs(self, model: TabFM, context: Context, parts: dict[str, Any]) -> np.ndarray:
