@@ -39,6 +39,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from tabfm import forward_sizes
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # noqa: F401 (class_codes re-exported)
                             member_width, members_see_every_column)
@@ -53,12 +54,6 @@ from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
                               torch_threads)
-
-CONTEXT_CELL_BUDGET = 1 << 20
-"""Most train cells (rows x columns x contexts) encoded in one forward: how many contexts share a forward at fit.
-One context is always encoded in one forward (tabfm.chunked bounds a long one). Each forward's activations are
-about a dozen [cells, embed_dim] tensors, so 2^20 cells keep them near 1.5 GiB; 2^22 (before local contexts,
-which make hundreds of small contexts) peaked at 7.8 GiB for 100,000 train rows."""
 
 CALIBRATION_ROWS = 1000
 """Most held-out train rows the classifier's temperature is fitted on."""
@@ -213,21 +208,17 @@ class _TabFMBase(BaseEstimator):
                                                        self.sequence_parallel)
         return model
 
-    def _unit_values(self, cells: Cells, units: np.ndarray, rows: np.ndarray | None = None) -> dict[str, Any]:
-        """Tensors [g, r, C'] of the contexts `units` (indices into context_rows_), each through its member's view:
-        of the rows rows[i] of `cells` for units[i] (rows [g, r]), or of all rows of `cells`. The contexts of one
-        group show the model the same number of columns (see _context_groups)."""
+    def _unit_values(self, cells: Cells, units: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
+        """Tensors [g, r, C'] of the contexts `units` (indices into context_rows_), each through its member's view
+        of the rows rows[i] of `cells` for units[i] (rows [g, r]). The units of one call show the model the same
+        number of columns (tabfm.forward_sizes.context_groups)."""
         scaled: dict[str, np.ndarray] = {}
         views = []
         for i, u in enumerate(units):
             member: Member = self.members_[self.context_members_[u]]
             if member.numeric not in scaled:  # every transform is row by row: scale all rows once, then take
                 scaled[member.numeric] = self.preprocessor_.scale(cells, member.numeric)
-            if rows is None:
-                views.append(member_cells(self.preprocessor_, cells, member, scaled[member.numeric]))
-            else:
-                views.append(member_cells(self.preprocessor_, cells.take(rows[i]), member,
-                                          scaled[member.numeric][rows[i]]))
+            views.append(member_cells(self.preprocessor_, cells.take(rows[i]), member, scaled[member.numeric][rows[i]]))
         values = torch.from_numpy(np.stack([v.values for v in views]))
         cat_codes = torch.from_numpy(np.stack([v.codes for v in views]))
         is_cat = torch.from_numpy(np.stack([v.is_cat for v in views]))
@@ -245,27 +236,21 @@ class _TabFMBase(BaseEstimator):
                      row_pad=torch.zeros(g, r, dtype=torch.bool), col_pad=torch.zeros(g, C, dtype=torch.bool),
                      task=self._task).to(self.device_)
 
-    def _context_groups(self) -> list[np.ndarray]:
-        """Contexts (indices into context_rows_) that share a forward: the same number of columns shown, at most
-        CONTEXT_CELL_BUDGET train cells together."""
-        cells = self.train_cells_
-        max_columns = self.preprocessor_.max_columns
-        member_widths = np.array([member_width(mem, cells.is_cat, cells.n_cats, max_columns)
-                                  for mem in self.members_])
-        widths = member_widths[self.context_members_]
-        groups = []
-        for width in np.unique(widths):
-            same = np.flatnonzero(widths == width)
-            size = max(1, CONTEXT_CELL_BUDGET // max(self.context_rows_.shape[1] * int(width), 1))
-            groups += np.array_split(same, math.ceil(len(same) / size))
-        return groups
+    def _forward_sizes(self) -> forward_sizes.ForwardSizes:
+        """How this estimator cuts its forwards (tabfm.forward_sizes)."""
+        heap = forward_sizes.HEAP_BLOCK_BYTES if self.device_.type == "cpu" else None  # read here: benchmarks set it
+        return forward_sizes.ForwardSizes(self._model().config, torch.finfo(self.dtype_).bits // 8, heap,
+                                          self._table_workers())
 
     def _table_workers(self) -> int:
         """Threads the contexts' forwards are spread over (tabfm.table_threads)."""
         return table_workers(self.device_, sharded=self.tensor_parallel is not None)
 
     def _encode_contexts(self) -> None:
-        """Encode every context once, each group cut into one slice of contexts per table thread."""
+        """Encode every context once, each group in forwards sized by tabfm.forward_sizes, spread over the table
+        threads, the group's parts then copied into one Context (fewer, larger contexts make fewer predict
+        forwards). Group by group: copying every part at the end left the parts' freed heap unused by the copies
+        (100,000 train rows peaked at 6.8 GiB, 4.2 GiB otherwise)."""
         model, workers = self._model(), self._table_workers()
 
         def encode(units: np.ndarray) -> tuple[np.ndarray, Context]:
@@ -276,8 +261,15 @@ class _TabFMBase(BaseEstimator):
             with self._autocast():
                 return units, encode_context(model, batch)
 
-        slices = [part for units in self._context_groups() for part in np.array_split(units, min(workers, len(units)))]
-        self.contexts_ = map_tables(encode, slices, workers)
+        cells, max_columns, sizes = self.train_cells_, self.preprocessor_.max_columns, self._forward_sizes()
+        widths = np.array([member_width(m, cells.is_cat, cells.n_cats, max_columns) for m in self.members_])
+        self.contexts_, rows = [], self.context_rows_.shape[1]
+        for units, width in forward_sizes.context_groups(widths[self.context_members_], rows):
+            forwards = np.array_split(units, sizes.tables(len(units), rows, width, encoding=True))
+            parts = [context for _, context in map_tables(encode, forwards, workers)]
+            whole = parts[0] if len(parts) == 1 else Context.gather([(c, torch.arange(c.num_tables)) for c in parts])
+            self.contexts_.append((units, whole))
+            del parts  # freed before the next group's forwards: they reuse the heap these held
         self._contexts_encoded()
 
     def _contexts_encoded(self) -> None:
@@ -322,21 +314,23 @@ class _TabFMBase(BaseEstimator):
         n = len(cells.values)
         route = None if self.local_ is None else self.local_.route(cells)  # [M, n]
         units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
-        workers = self._table_workers()
-        jobs = []  # (context, its tables in this forward, their units, each one's test rows or None: all)
+        workers, sizes = self._table_workers(), self._forward_sizes()
+        jobs = []  # (context, its tables in this forward, their units, each one's test rows)
         for units, context in self.contexts_:
-            if route is None:
-                jobs.append((context, None, units, None))
+            if route is None:  # every table reads every row: split the rows, not the tables (and their caches)
+                count = sizes.test_rows(n, len(units), context.num_columns)
+                jobs += [(context, np.arange(len(units)), units, [part] * len(units))
+                         for part in np.array_split(np.arange(n), count)]
                 continue
             rows = [np.flatnonzero(route[self.context_members_[u]] == u) for u in units]
-            jobs += [(context, part, units[part], [rows[t] for t in part])
-                     for tables in padded_chunks([len(r) for r in rows])
-                     for part in np.array_split(tables, min(workers, len(tables)))]
+            for tables in padded_chunks([len(r) for r in rows]):
+                count = sizes.tables(len(tables), len(rows[tables[0]]), context.num_columns,
+                                     cache_rows=context.n_train)
+                jobs += [(context, part, units[part], [rows[t] for t in part])
+                         for part in (tables[i::count] for i in range(count))]  # dealt round: equal shares
 
         def forward(job) -> np.ndarray:
             context, tables, units, rows = job
-            if rows is None:
-                return self._context_outputs(model, context, self._unit_values(cells, units))
             width = max(len(r) for r in rows)
             padded = np.stack([np.resize(r, width) for r in rows])  # repeats: harmless extra queries
             if not np.array_equal(tables, np.arange(context.num_tables)):
@@ -347,11 +341,8 @@ class _TabFMBase(BaseEstimator):
         for (_, _, units, rows), res in zip(jobs, map_tables(forward, jobs, workers), strict=True):
             if out is None:
                 out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
-            if rows is None:
-                out[self.context_members_[units]] = res
-            else:
-                for j, r in enumerate(rows):
-                    out[self.context_members_[units[j]], r] = res[j, :len(r)]
+            for j, r in enumerate(rows):
+                out[self.context_members_[units[j]], r] = res[j, :len(r)]
         return out, units_of
 
     def _context_outputs(self, model: TabFM, context: Context, parts: dict[str, Any]) -> np.ndarray:

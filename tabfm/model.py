@@ -355,19 +355,46 @@ class Context:
     def select(self, tables: torch.Tensor) -> Context:
         """The context of some of its tables (indices [b] into its B tables), caches included: every cached tensor
         holds the tables in its first dimension."""
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, tables.to(t.device))
+        return Context.gather([(self, tables)])
+
+    @staticmethod
+    def gather(parts: list[tuple[Context, torch.Tensor]]) -> Context:
+        """One context of some tables of several contexts encoded alike (task, train rows, columns): of each
+        (context, tables) in order, those tables (indices into its B tables)."""
+        first = parts[0][0]
+        if any((c.task, c.n_train, c.num_columns) != (first.task, first.n_train, first.num_columns) for c, _ in parts):
+            raise ValueError("Context.gather takes contexts of one task with equal train rows and columns")
+
+        def take(ts: list[torch.Tensor]) -> torch.Tensor:  # one copy: each part's tables straight into place
+            out = ts[0].new_empty((sum(len(tables) for _, tables in parts), *ts[0].shape[1:]))
+            start = 0
+            for t, (_, tables) in zip(ts, parts, strict=True):
+                torch.index_select(t, 0, tables.to(t.device), out=out[start:start + len(tables)])
+                start += len(tables)
+            return out
+
+        return Context._combine([c for c, _ in parts], take)
+
+    @staticmethod
+    def _combine(contexts: list[Context], combine) -> Context:
+        """A context whose every tensor is combine([that tensor of each of `contexts`])."""
+        first = contexts[0]
+
+        def each(get) -> torch.Tensor:
+            return combine([get(c) for c in contexts])
 
         caches = []
-        for cache in self.caches:
+        for i in range(len(first.caches)):
             part = KVCache()
-            part.k, part.v, part.recording = take(cache.k), take(cache.v), False
+            part.k, part.v = each(lambda c: c.caches[i].k), each(lambda c: c.caches[i].v)
+            part.recording = False
             caches.append(part)
-        return Context(task=self.task, n_train=self.n_train, num_columns=self.num_columns,
-                       n_classes=take(self.n_classes), cell_stats=(take(self.cell_stats[0]), take(self.cell_stats[1])),
-                       target_stats=None if self.target_stats is None else (take(self.target_stats[0]),
-                                                                             take(self.target_stats[1])),
-                       caches=caches)
+        target_stats = None if first.target_stats is None else (each(lambda c: c.target_stats[0]),
+                                                                each(lambda c: c.target_stats[1]))
+        return Context(task=first.task, n_train=first.n_train, num_columns=first.num_columns,
+                       n_classes=each(lambda c: c.n_classes),
+                       cell_stats=(each(lambda c: c.cell_stats[0]), each(lambda c: c.cell_stats[1])),
+                       target_stats=target_stats, caches=caches)
 
     def check_batch(self, batch: Batch) -> None:
         """Raise ValueError unless `batch` holds test rows of this context's tables (same tables, columns, task)."""

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import torch
@@ -111,3 +114,34 @@ def mixed_frame(n: int, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
     })
     y = np.where(x + (colour == "red") * 1.5 > 0.5, "yes", "no")
     return df, y
+
+
+def estimator_table(Estimator: type, n: int = 240, seed: int = 3) -> tuple:
+    """(X, y) of mixed_frame for a classifier (its labels) or a regressor (a target from two of its columns)."""
+    X, y = mixed_frame(n=n, seed=seed)
+    if Estimator._task == "regression":
+        y = X["x"].to_numpy() * 2 + (X["colour"] == "red") + np.random.default_rng(seed).normal(size=len(X)) * 0.1
+    return X, y
+
+
+def estimator_outputs(est, X) -> np.ndarray:
+    """A classifier's probabilities or a regressor's predictions."""
+    return est.predict_proba(X) if est._task == "classification" else est.predict(X)
+
+
+def side_by_side_rows(benchmark: str, argv: list[str], txt: Path) -> list[tuple[str, float, float, float, float]]:
+    """Run benchmarks/<benchmark>.py (a side-by-side benchmark of benchmarks/table_threads.py's kind) with argv,
+    writing its table to txt: (setting, reference total, our total, printed speed-up, max |d|) of each row."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{benchmark}.py"
+    spec = importlib.util.spec_from_file_location(f"{benchmark}_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main([*argv, "--txt", str(txt)])
+    rows = []
+    for line in txt.read_text().splitlines():
+        fields = line.split("|")
+        if len(fields) == 4 and not line.startswith("setting"):
+            speed_up, diff = fields[3].split()
+            rows.append((fields[0].split()[0], float(fields[1].split()[-1]), float(fields[2].split()[-1]),
+                         float(speed_up.rstrip("x")), float(diff)))
+    return rows

@@ -4,15 +4,13 @@ threaded where it must not (an accelerator, a tensor-parallel mesh, n_jobs=1).""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from builders import mixed_frame
+from builders import estimator_outputs, estimator_table, mixed_frame, side_by_side_rows
 
 import tabfm.estimator as estimator_module
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
@@ -93,17 +91,15 @@ def _forward_threads(monkeypatch) -> list[str]:
 def test_threaded_predictions_equal_sequential_ones(Estimator, local_context_rows, monkeypatch):
     """float64: every member's outputs, through calibration (the classifier's probe is a second fit and predict),
     local or global contexts, equal the sequential forwards' to 1e-12; the threaded fit really used 2 threads."""
-    X, y = mixed_frame(n=240, seed=3)
-    if Estimator is TabFMRegressor:
-        y = X["x"].to_numpy() * 2 + (X["colour"] == "red") + np.random.default_rng(3).normal(size=len(X)) * 0.1
+    X, y = estimator_table(Estimator)
     X_test = X.iloc[:90]
     params = dict(n_estimators=3, dtype="float64", n_jobs=2, local_context_rows=local_context_rows, random_state=0)
     with sequential_tables():
         want = Estimator(**params).fit(X, y)
-        want_out = want.predict_proba(X_test) if Estimator is TabFMClassifier else want.predict(X_test)
+        want_out = estimator_outputs(want, X_test)
     names = _forward_threads(monkeypatch)
     got = Estimator(**params).fit(X, y)
-    got_out = got.predict_proba(X_test) if Estimator is TabFMClassifier else got.predict(X_test)
+    got_out = estimator_outputs(got, X_test)
     assert len({n for n in names if n.startswith("tabfm-tables")}) == 2
     assert not [n for n in names if not n.startswith("tabfm-tables")]
     np.testing.assert_allclose(got_out, want_out, rtol=0, atol=1e-12)
@@ -128,17 +124,9 @@ def test_one_job_runs_every_forward_in_the_calling_thread(monkeypatch):
 
 
 def test_benchmark_prints_both_sides_and_their_ratio(tmp_path):
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "table_threads.py"
-    spec = importlib.util.spec_from_file_location("table_threads_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--sizes", "150x40", "--repeats", "1", "--n-jobs", "2", "--settings", "classifier-1-member,regressor",
-                "--txt", str(tmp_path / "t.txt")])
-    rows = [line for line in (tmp_path / "t.txt").read_text().splitlines() if "150x40" in line]
-    assert [r.split()[0] for r in rows] == ["classifier-1-member", "regressor"]
-    for row in rows:
-        fields = row.split("|")
-        seq, thr = (float(fields[i].split()[-1]) for i in (1, 2))
-        speed_up, diff = fields[3].split()
-        assert float(speed_up.rstrip("x")) == pytest.approx(seq / thr, rel=0.02)
-        assert float(diff) < 1e-4
+    rows = side_by_side_rows("table_threads", ["--sizes", "150x40", "--repeats", "1", "--n-jobs", "2", "--settings",
+                                               "classifier-1-member,regressor"], tmp_path / "t.txt")
+    assert [r[0] for r in rows] == ["classifier-1-member", "regressor"]
+    for _, seq, thr, speed_up, diff in rows:
+        assert speed_up == pytest.approx(seq / thr, rel=0.02)
+        assert diff < 1e-4
