@@ -5,11 +5,11 @@ glibc's malloc serves a block of up to its mmap threshold (32 MiB at most on 64-
 freed block is reused; a larger block is mmap-ed fresh and unmapped again on free, so every op that writes a tensor
 that large page-faults each of its 4 KiB pages in anew. On the 2-core VM a 60 MiB clone takes 38 ms, 3.9 ms when
 the same bytes come from the heap (GLIBC_TUNABLES raising the threshold), and encoding 10,000 train rows in
-forwards of 2^20 cells spent about a third of its time so. The threshold is the process's, and a library has no
+forwards of 2^20 cells spent about 30% of its time so. The threshold is the process's, and a library has no
 business changing it, so on a CPU the estimators size their forwards instead: each forward's widest activation
 (`forward_bytes`) stays within HEAP_BLOCK_BYTES. Smaller forwards cost nothing measurable: each still
-runs tens of thousands of cells per op. Accelerators have their own caching allocator: there only the cell budget
-(memory) bounds a forward.
+runs tens of thousands of cells per op, and under another allocator (macOS, jemalloc) the bound is harmless.
+Accelerators have their own caching allocator: there only the cell budget (memory) bounds a forward.
 """
 
 from __future__ import annotations
