@@ -251,22 +251,22 @@ class _TabFMBase(BaseEstimator):
         threads, the group's parts then copied into one Context (fewer, larger contexts make fewer predict
         forwards). Group by group: copying every part at the end left the parts' freed heap unused by the copies
         (100,000 train rows peaked at 6.8 GiB, 4.2 GiB otherwise)."""
-        model, workers = self._model(), self._table_workers()
+        model, sizes = self._model(), self._forward_sizes()
 
-        def encode(units: np.ndarray) -> tuple[np.ndarray, Context]:
+        def encode(units: np.ndarray) -> Context:
             parts = self._unit_values(self.train_cells_, units, self.context_rows_[units])
             labels = torch.from_numpy(np.stack([
                 self._member_labels(self.context_members_[u], self.y_train_[self.context_rows_[u]]) for u in units]))
             batch = self._batch(parts, labels, self.context_rows_.shape[1], self._n_outputs())
             with self._autocast():
-                return units, encode_context(model, batch)
+                return encode_context(model, batch)
 
-        cells, max_columns, sizes = self.train_cells_, self.preprocessor_.max_columns, self._forward_sizes()
+        cells, max_columns = self.train_cells_, self.preprocessor_.max_columns
         widths = np.array([member_width(m, cells.is_cat, cells.n_cats, max_columns) for m in self.members_])
         self.contexts_, rows = [], self.context_rows_.shape[1]
         for units, width in forward_sizes.context_groups(widths[self.context_members_], rows):
             forwards = np.array_split(units, sizes.tables(len(units), rows, width, encoding=True))
-            parts = [context for _, context in map_tables(encode, forwards, workers)]
+            parts = map_tables(encode, forwards, sizes.workers)
             whole = parts[0] if len(parts) == 1 else Context.gather([(c, torch.arange(c.num_tables)) for c in parts])
             self.contexts_.append((units, whole))
             del parts  # freed before the next group's forwards: they reuse the heap these held
@@ -314,7 +314,7 @@ class _TabFMBase(BaseEstimator):
         n = len(cells.values)
         route = None if self.local_ is None else self.local_.route(cells)  # [M, n]
         units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
-        workers, sizes = self._table_workers(), self._forward_sizes()
+        sizes = self._forward_sizes()
         jobs = []  # (context, its tables in this forward, their units, each one's test rows)
         for units, context in self.contexts_:
             if route is None:  # every table reads every row: split the rows, not the tables (and their caches)
@@ -338,7 +338,7 @@ class _TabFMBase(BaseEstimator):
             return self._context_outputs(model, context, self._unit_values(cells, units, padded))
 
         out = None
-        for (_, _, units, rows), res in zip(jobs, map_tables(forward, jobs, workers), strict=True):
+        for (_, _, units, rows), res in zip(jobs, map_tables(forward, jobs, sizes.workers), strict=True):
             if out is None:
                 out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
             for j, r in enumerate(rows):

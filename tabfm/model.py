@@ -365,35 +365,26 @@ class Context:
         if any((c.task, c.n_train, c.num_columns) != (first.task, first.n_train, first.num_columns) for c, _ in parts):
             raise ValueError("Context.gather takes contexts of one task with equal train rows and columns")
 
-        def take(ts: list[torch.Tensor]) -> torch.Tensor:  # one copy: each part's tables straight into place
-            out = ts[0].new_empty((sum(len(tables) for _, tables in parts), *ts[0].shape[1:]))
+        def take(get) -> torch.Tensor:  # one copy: each part's tables straight into place
+            first_tensor = get(first)
+            out = first_tensor.new_empty((sum(len(tables) for _, tables in parts), *first_tensor.shape[1:]))
             start = 0
-            for t, (_, tables) in zip(ts, parts, strict=True):
-                torch.index_select(t, 0, tables.to(t.device), out=out[start:start + len(tables)])
+            for context, tables in parts:
+                torch.index_select(get(context), 0, tables.to(out.device), out=out[start:start + len(tables)])
                 start += len(tables)
             return out
-
-        return Context._combine([c for c, _ in parts], take)
-
-    @staticmethod
-    def _combine(contexts: list[Context], combine) -> Context:
-        """A context whose every tensor is combine([that tensor of each of `contexts`])."""
-        first = contexts[0]
-
-        def each(get) -> torch.Tensor:
-            return combine([get(c) for c in contexts])
 
         caches = []
         for i in range(len(first.caches)):
             part = KVCache()
-            part.k, part.v = each(lambda c: c.caches[i].k), each(lambda c: c.caches[i].v)
+            part.k, part.v = take(lambda c: c.caches[i].k), take(lambda c: c.caches[i].v)
             part.recording = False
             caches.append(part)
-        target_stats = None if first.target_stats is None else (each(lambda c: c.target_stats[0]),
-                                                                each(lambda c: c.target_stats[1]))
+        target_stats = None if first.target_stats is None else (take(lambda c: c.target_stats[0]),
+                                                                take(lambda c: c.target_stats[1]))
         return Context(task=first.task, n_train=first.n_train, num_columns=first.num_columns,
-                       n_classes=each(lambda c: c.n_classes),
-                       cell_stats=(each(lambda c: c.cell_stats[0]), each(lambda c: c.cell_stats[1])),
+                       n_classes=take(lambda c: c.n_classes),
+                       cell_stats=(take(lambda c: c.cell_stats[0]), take(lambda c: c.cell_stats[1])),
                        target_stats=target_stats, caches=caches)
 
     def check_batch(self, batch: Batch) -> None:
