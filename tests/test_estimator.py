@@ -228,12 +228,13 @@ def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
     rows = []
     real = inference.encode_context
     monkeypatch.setattr("tabfm.estimator.encode_context", lambda m, b: rows.append(b.values.shape[1]) or real(m, b))
-    TabFMClassifier(n_estimators=2).fit(df[:100], y[:100])
+    # n_jobs=1: one forward per encoding (with more threads each encoding is cut into one forward per thread)
+    TabFMClassifier(n_estimators=2, n_jobs=1).fit(df[:100], y[:100])
     held = 100 - rows[0]
     assert rows == [100 - held, 100] and 15 <= held <= 25  # the probe (every row not held out), then the contexts
     rows.clear()
     monkeypatch.setattr(estimator, "CALIBRATION_CONTEXT_ROWS", 10)
-    TabFMClassifier(n_estimators=2).fit(df[:100], y[:100])
+    TabFMClassifier(n_estimators=2, n_jobs=1).fit(df[:100], y[:100])
     assert rows == [50, 100]  # the probe's context: half the train rows, as the floor is lower
 
 
