@@ -145,3 +145,10 @@ def side_by_side_rows(benchmark: str, argv: list[str], txt: Path) -> list[tuple[
             rows.append((fields[0].split()[0], float(fields[1].split()[-1]), float(fields[2].split()[-1]),
                          float(speed_up.rstrip("x")), float(diff)))
     return rows
+
+
+def speed_up_matches(reference: float, ours: float, speed_up: float) -> bool:
+    """Whether a printed speed-up (2 decimals) is reference / ours, the printed totals being rounded to 0.01 s (the
+    ratio is taken before rounding: at totals of 0.1 s that rounding alone moves it by 10%)."""
+    low, high = (reference - 0.005) / (ours + 0.005), (reference + 0.005) / max(ours - 0.005, 1e-9)
+    return low - 0.005 <= speed_up <= high + 0.005
