@@ -157,10 +157,17 @@ class LogisticModel:
 
     @classmethod
     def fit(cls, cells, y: np.ndarray, n_classes: int) -> LogisticModel:
-        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design."""
+        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design. A design
+        without columns (every column categorical with more than MAX_ONEHOT categories) gives the class
+        frequencies, what a logistic regression's unpenalised intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 
         design = LinearDesign.fit(cells)
+        if design.width == 0:
+            classes, counts = np.unique(y, return_counts=True)
+            log_prior = np.log(counts / counts.sum())
+            intercept = log_prior[1:] - log_prior[:1] if len(classes) == 2 else log_prior
+            return cls(design, np.zeros((len(intercept), 0)), intercept, classes.astype(np.int64), n_classes)
         lr = LogisticRegression(max_iter=1000).fit(design(cells), y)
         return cls(design, np.asarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
                    np.asarray(lr.classes_, np.int64), n_classes)

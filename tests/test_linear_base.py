@@ -159,6 +159,21 @@ def test_logistic_model_reads_a_linear_boundary_and_gives_unseen_classes_nothing
     assert np.mean(p.argmax(1) == (y[300:] == 0)) > 0.85
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_design_without_columns_gives_the_class_frequencies(k):
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 150, 240)  # one categorical column of more than MAX_ONEHOT categories: no design column
+    X = pd.DataFrame({"zip": [f"z{c:03d}" for c in codes]})
+    y = np.r_[np.zeros(120, int), rng.integers(1, k, 120)]
+    cells = _cells(X)
+    lr = LogisticModel.fit(cells, y, n_classes=k + 1)  # one class more than the rows hold
+    assert lr.design.width == 0
+    want = np.r_[np.bincount(y, minlength=k) / len(y), 0.0]
+    np.testing.assert_allclose(lr.predict_proba(cells), np.tile(want, (len(y), 1)), rtol=1e-12, atol=1e-15)
+    proba = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:200], codes[:200] % 2).predict_proba(X[200:])
+    assert proba.shape == (40, 2) and np.allclose(proba.sum(1), 1)  # the blend no longer fails on it
+
+
 def test_classifier_weighs_in_the_logistic_regression_where_held_out_rows_prefer_it():
     from sklearn.metrics import log_loss
 
