@@ -39,7 +39,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from tabfm import forward_sizes
+from tabfm import forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # noqa: F401 (class_codes re-exported)
                             member_width, members_see_every_column)
@@ -277,7 +277,14 @@ class _TabFMBase(BaseEstimator):
             whole = parts[0] if len(parts) == 1 else Context.gather([(c, torch.arange(c.num_tables)) for c in parts])
             self.contexts_.append((units, whole))
             del parts  # freed before the next group's forwards: they reuse the heap these held
+            self._release_heap()
         self._contexts_encoded()
+
+    def _release_heap(self) -> None:
+        """On a CPU, give the heap's freed memory back between forwards (tabfm.heap_release: without it resident
+        memory grew with every batch predicted)."""
+        if self.device_.type == "cpu":
+            heap_release.release_free_heap()
 
     def _contexts_encoded(self) -> None:
         """Hook: what a subclass reads from freshly encoded contexts."""
@@ -312,6 +319,7 @@ class _TabFMBase(BaseEstimator):
             sub = cells.take(slice(start, start + self.batch_size))
             out, units = self._batch_outputs(model, sub)
             results.append(out if finalize is None else finalize(out, units))
+            self._release_heap()
         return np.concatenate(results, axis=0 if finalize is not None else 1)
 
     def _batch_outputs(self, model: TabFM, cells: Cells) -> tuple[np.ndarray, np.ndarray]:
