@@ -173,7 +173,7 @@ def test_benchmark_prints_both_sides_and_their_ratio(tmp_path):
     _, ref, new, speed_up, diff = rows[0]
     assert speed_up_matches(ref, new, speed_up)
     assert diff < 1e-4
-    assert forward_sizes.HEAP_BLOCK_BYTES == 32 << 20  # the reference side restored it
+    assert forward_sizes.HEAP_BLOCK_BYTES == 8 << 20  # the reference side restored it
 
 
 def test_context_groups_hold_one_width_each_within_the_cell_budget(monkeypatch):
