@@ -28,6 +28,9 @@ from tabfm._cli_demo import parse_layout
 from tabfm.table_io import NA_VALUES
 
 TASKS = ("auto", "classification", "regression")
+MAX_AUTO_CLASSES = 20
+"""--task auto: a numeric target with more distinct values than this is regression (prices, counts), one with at
+most this many is classification (0/1, ratings 1..5, class codes)."""
 
 
 def add_parser(subparsers) -> None:
@@ -52,7 +55,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="class probabilities, one proba_CLASS column per class after the predicted label (6 "
                    "significant digits in CSV/TSV)")
     p.add_argument("--task", choices=TASKS, default="auto",
-                   help="auto: regression for a numeric target with more than 20 distinct non-integer values")
+                   help=f"auto (default): regression for a numeric target with more than {MAX_AUTO_CLASSES} distinct "
+                   "values (whole numbers or not), classification otherwise (text, booleans, a few numeric labels "
+                   "such as 0/1 or 1..5); the choice is printed")
     p.add_argument("--checkpoint", help="merged .safetensors or checkpoint folder (default: the shipped model)")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members")
     p.add_argument("--local-context-rows", type=int, default=256, metavar="N",
@@ -90,15 +95,15 @@ def read_table(path: str, na_values: Sequence[str] | None = None):
     return table_io.read_table(path, table_io.NA_VALUES if na_values is None else na_values)
 
 
-def infer_task(y) -> str:
-    """Regression for a numeric target with many distinct non-integer values; classification otherwise."""
-    import numpy as np
-
+def infer_task(y) -> tuple[str, str]:
+    """(task, why) for --task auto: the number of distinct values decides, not whether they are whole, so integer
+    prices and counts are regression while 0/1 or 1..5 labels stay classification."""
     if not y.dtype.is_numeric():
-        return "classification"
-    values = y.drop_nulls().to_numpy().astype(float)
-    distinct = np.unique(values)
-    return "regression" if len(distinct) > 20 and not np.all(distinct == np.round(distinct)) else "classification"
+        return "classification", f"the target {y.name!r} is not numeric ({y.dtype})"
+    distinct, limit = y.drop_nulls().n_unique(), MAX_AUTO_CLASSES
+    if distinct > limit:
+        return "regression", f"the target {y.name!r} is numeric with {distinct} distinct values (over {limit})"
+    return "classification", f"the target {y.name!r} has only {distinct} distinct values (at most {limit})"
 
 
 def _is_rank0() -> bool:
@@ -137,10 +142,20 @@ def load_train(args: argparse.Namespace):
     X = train.drop(args.target)
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
-    task = infer_task(y) if args.task == "auto" else args.task
+    task = _task(args, y)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
     return X, y, task
+
+
+def _task(args: argparse.Namespace, y) -> str:
+    """--task, or the inferred task with one line saying why (an integer target may be meant either way)."""
+    if args.task != "auto":
+        return args.task
+    task, why = infer_task(y)
+    other = "classification" if task == "regression" else "regression"
+    _say(args, f"task: {task}, as {why}; pass --task {other} if that is wrong")
+    return task
 
 
 def _na(args: argparse.Namespace) -> list[str]:

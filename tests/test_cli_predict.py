@@ -69,6 +69,50 @@ def test_predict_regression_is_inferred(tables):
     assert pred.dtype.kind == "f" and len(pred) == 30 and np.isfinite(pred).all()
 
 
+def _price_tables(folder) -> None:
+    """The fuzzer's table: a whole-number price that is linear in the features (200 train rows, 40 test rows)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(240, 3))
+    price = np.round(200000 + 50000 * X[:, 0] + 20000 * X[:, 1]).astype(int)
+    df = pl.DataFrame({"f1": X[:, 0].round(4), "f2": X[:, 1].round(4), "f3": X[:, 2].round(4), "price": price})
+    df[:200].write_csv(folder / "train.csv")
+    df[200:].write_csv(folder / "test.csv")
+
+
+def test_a_whole_number_price_is_regression_and_the_choice_is_said(tmp_path, capsys):
+    _price_tables(tmp_path)
+    argv = ["predict", "--train", str(tmp_path / "train.csv"), "--target", "price", "--test",
+            str(tmp_path / "test.csv"), "--n-estimators", "1", "-o", str(tmp_path / "auto.csv")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tabfm predict: task: regression, as the target 'price' is numeric with 200 distinct values (over 20); " \
+        "pass --task classification if that is wrong" in err
+    pred = pl.read_csv(tmp_path / "auto.csv")["price"].to_numpy()
+    truth = pl.read_csv(tmp_path / "test.csv")["price"].to_numpy()
+    assert pred.dtype.kind == "f" and np.abs(pred - truth).mean() < 2000  # as 200 classes: 20,638
+    assert main([*argv[:-2], "-o", str(tmp_path / "quiet.csv"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("values, task", [
+    (list(range(200_000, 200_200)), "regression"),  # whole-number prices
+    ([i % 23 for i in range(100)], "regression"),  # a count with 23 distinct values
+    ([i % 21 * 0.5 for i in range(100)], "regression"),
+    ([i % 2 for i in range(100)], "classification"),  # 0/1
+    ([1 + i % 5 for i in range(100)], "classification"),  # ratings 1..5
+    ([i % 20 for i in range(100)], "classification"),  # MAX_AUTO_CLASSES codes
+    ([0.5, 1.5, 2.5] * 10, "classification"),
+    ([f"c{i}" for i in range(100)], "classification"),  # text, however many values
+    ([True, False] * 10, "classification"),
+])
+def test_infer_task_counts_distinct_values_whole_or_not(values, task):
+    from tabfm._cli_predict import MAX_AUTO_CLASSES, infer_task
+
+    assert MAX_AUTO_CLASSES == 20
+    inferred, why = infer_task(pl.Series("y", [*values, None]))
+    assert inferred == task and "'y'" in why
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "nope"], "has no column 'nope'"),
     (["--target", "amount", "--proba", "--test", "test.parquet"], "--proba is for classification"),
