@@ -120,8 +120,9 @@ def _say(args: argparse.Namespace, message: str, *, warning: bool = False) -> No
 
 
 def load_train(args: argparse.Namespace):
-    """(X, y, task) from --train: rows without a target dropped (with a warning), a warning for each text column
-    that is mostly numbers. Raises ValueError on bad input."""
+    """(X, y, task, why) from --train: rows without a target dropped (with a warning), a warning for each text
+    column that is mostly numbers; `why` is the line saying how --task auto chose ("" for a given --task). Raises
+    ValueError on bad input."""
     from tabfm import table_io
 
     train = read_table(args.train, _na(args))
@@ -142,20 +143,19 @@ def load_train(args: argparse.Namespace):
     X = train.drop(args.target)
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
-    task = _task(args, y)
+    task, why = _task(args, y)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
-    return X, y, task
+    return X, y, task, why
 
 
-def _task(args: argparse.Namespace, y) -> str:
-    """--task, or the inferred task with one line saying why (an integer target may be meant either way)."""
+def _task(args: argparse.Namespace, y) -> tuple[str, str]:
+    """(--task, ""), or the inferred task and a line saying why (an integer target may be meant either way)."""
     if args.task != "auto":
-        return args.task
+        return args.task, ""
     task, why = infer_task(y)
     other = "classification" if task == "regression" else "regression"
-    _say(args, f"task: {task}, as {why}; pass --task {other} if that is wrong")
-    return task
+    return task, f"task: {task}, as {why}; pass --task {other} if that is wrong"
 
 
 def _na(args: argparse.Namespace) -> list[str]:
@@ -180,8 +180,10 @@ def run_prediction(args: argparse.Namespace) -> int:
     from tabfm import table_io
 
     output = table_io.check_output(args.output, (args.train, args.test), args.overwrite)
-    X, y, task = load_train(args)
+    X, y, task, why = load_train(args)
     test = open_test(args, X)  # its header and rows checked before the fit
+    if why:  # after the checks, so that bad input still gives one line
+        _say(args, why)
     _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {test.n_rows} rows")
     est = fit(args, X, y, task)
     outputs = _predictions(args, est, test.batches(X.schema, args.batch_rows))
