@@ -2,10 +2,12 @@
 
 Reading turns the usual missing-value tokens (NA_VALUES, as pandas and R read them) into missing cells, so a numeric
 column with a few "NA" cells stays numeric instead of silently becoming a categorical one. Text cells are stripped
-of surrounding blanks, and a text column whose every remaining cell is a number becomes numeric (the same for CSV
-and Parquet). Anything that cannot be read or written raises TableError: one line that names the file and says
-what to do. Writing checks the extension first, refuses to overwrite an input table, and is atomic (a temporary
-file renamed into place), so a failure leaves nothing behind.
+of surrounding blanks, and a text column whose every remaining cell is a number becomes numeric, one whose
+every cell is an ISO-8601 date or date-time (2024-01-31, 2024-01-31T13:45:00, with an offset or Z) a date or
+datetime column (the same for CSV and Parquet; other spellings such as 01/02/2024 stay text: their day and month
+order would be a guess). Anything that cannot be read or written raises TableError: one line that names the file
+and says what to do. Writing checks the extension first, refuses to overwrite an input table, and is atomic (a
+temporary file renamed into place), so a failure leaves nothing behind.
 
 polars is imported inside the functions: the `tabfm` command imports this module to build its help.
 """
@@ -38,6 +40,9 @@ READ_FORMATS = {".csv": ",", ".txt": ",", ".tsv": "\t", ".parquet": None}
 WRITE_FORMATS = (".csv", ".tsv", ".parquet")
 STDOUT = "-"
 _PARQUET_MAGIC = b"PAR1"
+_ISO_DATE_START = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")
+_DATETIME_FORMATS = tuple(f"%Y-%m-%d{t}%H:%M{s}" for t in ("T", " ") for s in (":%S%.f", ""))
+"""ISO-8601 date-times a text cell may hold (seconds and their fraction optional; %z is added for an offset)."""
 
 
 class TableError(ValueError):
@@ -192,8 +197,41 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str]) -> pl.DataFrame:
             if cast.null_count() == s.null_count():
                 s = cast
                 break
+        else:
+            s = _as_temporal(s)
         tidy.append(s)
     return df.with_columns(tidy) if tidy else df
+
+
+def _as_temporal(s: pl.Series) -> pl.Series:
+    """Text `s` (stripped, NA tokens missing) as dates, naive date-times or UTC date-times when every cell reads as
+    one of them (so the model sees seconds, not a category per day); `s` unchanged otherwise."""
+    import polars as pl
+
+    first = s.drop_nulls().head(1).to_list()
+    if not first or not _ISO_DATE_START.match(first[0]):  # one cell looked at: text columns cost nothing more
+        return s
+    for dtype in (pl.Date, pl.Datetime("us"), pl.Datetime("us", "UTC")):
+        parsed = text_to_temporal(s, dtype)
+        if parsed.null_count() == s.null_count():
+            return parsed
+    return s
+
+
+def text_to_temporal(s: pl.Series, dtype: pl.DataType) -> pl.Series:
+    """Text cells as `dtype` (Date, or Datetime: with an offset or Z when it has a time zone, naive otherwise),
+    each cell read alone in ISO 8601 (so a batch reads as the whole table would); a cell that is not one is
+    missing."""
+    import polars as pl
+
+    if dtype == pl.Date:
+        return s.str.to_date("%Y-%m-%d", strict=False)
+    aware = dtype.time_zone is not None
+    text = s.str.replace(r"Z$", "+00:00") if aware else s
+    parsed = [text.str.to_datetime(f + ("%z" if aware else ""), strict=False, time_unit=dtype.time_unit)
+              for f in _DATETIME_FORMATS]
+    out = pl.select(pl.coalesce(parsed)).to_series().alias(s.name)
+    return out.dt.convert_time_zone(dtype.time_zone) if aware else out
 
 
 def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
@@ -278,9 +316,10 @@ class TableScan:
 def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequence[str] = NA_VALUES,
             where: str = "table", offset: int = 0) -> pl.DataFrame:
     """`df`'s text columns read as `schema` says, cell by cell (never from what the other cells hold): stripped,
-    NA tokens missing, then numbers where the schema has a number (a cell that is not one is a TableError naming
-    it and its row, counted from `offset`), True/False for a boolean column's true/false in any case (the
-    categories a boolean column has), text otherwise. Columns that are not text are kept as they are."""
+    NA tokens missing, then numbers where the schema has a number, dates or date-times where it has one (ISO 8601,
+    see text_to_temporal; a cell that is neither is a TableError naming it and its row, counted from `offset`),
+    True/False for a boolean column's true/false in any case (the categories a boolean column has), text otherwise.
+    Columns that are not text are kept as they are."""
     import polars as pl
 
     out = []
@@ -291,19 +330,39 @@ def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequ
             continue
         s = _text_cells(s, na_values)
         if dtype.is_numeric():
-            number = s.cast(pl.Float64, strict=False)
-            bad = (number.is_null() & s.is_not_null()).arg_true()
-            if len(bad):
-                raise TableError(f"{where}: column {name!r} holds {s[bad[0]]!r} (row {offset + bad[0] + 1}) where the "
-                                 "train table has numbers; fix that cell, or add it to the missing-value tokens "
-                                 "(--na-values) if it means missing")
-            s = number
+            s = _read_cells(s, s.cast(pl.Float64, strict=False), "numbers", where, offset)
+        elif dtype in (pl.Date, pl.Datetime):
+            s = _read_cells(s, text_to_temporal(s, dtype), _temporal_words(dtype), where, offset)
+        elif dtype.is_temporal():
+            raise TableError(f"{where}: column {name!r} is {dtype} in the train table, which text cells are not read "
+                             "as; give this table as Parquet")
         elif dtype == pl.Boolean:
             low = s.str.to_lowercase()
             s = pl.select(pl.when(low == "true").then(pl.lit("True")).when(low == "false").then(pl.lit("False"))
                           .otherwise(s).alias(name)).to_series()
         out.append(s)
     return pl.DataFrame(out)
+
+
+def _temporal_words(dtype: pl.DataType) -> str:
+    """What conform's error says the train table has, with the spelling a cell needs."""
+    import polars as pl
+
+    if dtype == pl.Date:
+        return "dates (such as 2024-01-31)"
+    if dtype.time_zone is None:
+        return "date-times (such as 2024-01-31T13:45:00)"
+    return "date-times with an offset (such as 2024-01-31T13:45:00+01:00)"
+
+
+def _read_cells(s: pl.Series, read: pl.Series, what: str, where: str, offset: int) -> pl.Series:
+    """`read` (the text cells `s` read as `what`), or a TableError naming the first cell that did not read."""
+    bad = (read.is_null() & s.is_not_null()).arg_true()
+    if len(bad):
+        raise TableError(f"{where}: column {s.name!r} holds {s[bad[0]]!r} (row {offset + bad[0] + 1}) where the "
+                         f"train table has {what}; fix that cell, or add it to the missing-value tokens "
+                         "(--na-values) if it means missing")
+    return read
 
 
 def check_output(path: str | None, inputs: Iterable[str | Path] = (), overwrite: bool = False) -> Path | None:

@@ -9,6 +9,7 @@ import csv
 import re
 import subprocess
 import sys
+from datetime import date
 
 import numpy as np
 import polars as pl
@@ -315,6 +316,24 @@ def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tabfm predict: error: ") and message.format(test=tables / "test.csv") in err, err
     assert _snapshot(tables) == before  # the earlier output untouched, no temporary file left
+
+
+def test_a_date_column_reads_alike_from_csv_and_parquet(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    days = pl.date_range(date(2020, 1, 1), date(2020, 5, 29), eager=True).sample(120, seed=1)
+    frame = pl.DataFrame({"d": days, "x": rng.normal(size=120).round(3),
+                          "late": np.where((days > date(2020, 3, 15)).to_numpy(), "yes", "no")})
+    for name, rows in (("train", frame[:90]), ("test", frame[90:])):
+        rows.write_parquet(tmp_path / f"{name}.parquet")
+        rows.write_csv(tmp_path / f"{name}.csv")  # d as 2020-03-15 text
+    outputs = []
+    for train, test in (("parquet", "parquet"), ("csv", "csv"), ("parquet", "csv")):
+        out = tmp_path / f"{train}_{test}.csv"
+        assert main(["predict", "--train", str(tmp_path / f"train.{train}"), "--target", "late", "--test",
+                     str(tmp_path / f"test.{test}"), "--proba", "--n-estimators", "1", "--quiet", "-o", str(out)]) == 0
+        outputs.append(out.read_text())
+    assert capsys.readouterr().err == ""  # before: "column 'd' was numeric at fit but holds strings now"
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]  # before: d a category of 90 days from CSV
 
 
 def _predict_worker(argv: list[str]) -> int:

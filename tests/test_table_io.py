@@ -5,6 +5,7 @@ before any work (extension, folder, not an input), written atomically."""
 from __future__ import annotations
 
 import os
+from datetime import date, datetime
 
 import polars as pl
 import pytest
@@ -59,6 +60,46 @@ def test_parquet_and_tsv_read_the_same_tokens(tmp_path):
     assert read_table(tmp_path / "t.parquet").equals(expected)
     _write(tmp_path / "t.tsv", "x\tc\n1\ta\nNA\t?\n 3 \tb\n")
     assert read_table(tmp_path / "t.tsv").equals(expected)
+
+
+def test_iso_dates_read_as_dates_and_other_text_stays_text(tmp_path):
+    f = _write(tmp_path / "t.csv", "d,t,z,us,free,mixed,n\n"
+               "2024-01-31,2024-01-31T13:45:00,2024-01-31T13:45:00Z,03/12/2020,hello,2024-01-31,20240131\n"
+               " 2024-02-29 ,2024-02-01 08:00,2024-01-31T13:45:00.5+01:00,04/11/2020,2024-01-31 x,soon,20240201\n"
+               "NA,?,,-,NA,NA,NA\n")
+    df = read_table(f)
+    assert df.schema == pl.Schema({"d": pl.Date, "t": pl.Datetime("us"), "z": pl.Datetime("us", "UTC"),
+                                   "us": pl.String, "free": pl.String, "mixed": pl.String, "n": pl.Int64})
+    assert df["d"].to_list() == [date(2024, 1, 31), date(2024, 2, 29), None]
+    assert df["t"].to_list() == [datetime(2024, 1, 31, 13, 45), datetime(2024, 2, 1, 8, 0), None]
+    assert [v.replace(tzinfo=None) for v in df["z"].drop_nulls()] == [datetime(2024, 1, 31, 13, 45),
+                                                                      datetime(2024, 1, 31, 12, 45, 0, 500_000)]
+    assert df["us"].to_list() == ["03/12/2020", "04/11/2020", None]  # day or month first: not guessed
+    assert df["free"].to_list() == ["hello", "2024-01-31 x", None] and df["mixed"][1] == "soon"
+    # in batches of one row, given the whole table's types, every cell reads as it did in the whole table
+    assert pl.concat(TableScan(f).batches(df.schema, 1)).equals(df.with_columns(pl.col("n").cast(pl.Float64)))
+    pl.DataFrame({"d": ["2024-01-31", None]}).write_parquet(tmp_path / "t.parquet")  # the same for Parquet text
+    assert read_table(tmp_path / "t.parquet")["d"].to_list() == [date(2024, 1, 31), None]
+
+
+def test_a_cell_that_is_not_a_date_in_a_date_column_is_named(tmp_path):
+    f = _write(tmp_path / "t.csv", "d,t\n2024-01-31,2024-01-31T13:45:00\n31/01/2024,2024-01-31\n")
+    with pytest.raises(TableError, match=r"t.csv: column 'd' holds '31/01/2024' \(row 2\) where the train table "
+                       r"has dates \(such as 2024-01-31\); fix that cell"):
+        list(TableScan(f).batches({"d": pl.Date}, 10))
+    with pytest.raises(TableError, match=r"column 't' holds '2024-01-31' \(row 2\) where the train table has "
+                       r"date-times \(such as 2024-01-31T13:45:00\)"):
+        list(TableScan(f).batches({"t": pl.Datetime("ns")}, 10))
+    with pytest.raises(TableError, match="column 'd' is Time in the train table, which text cells are not read as; "
+                       "give this table as Parquet"):
+        list(TableScan(f).batches({"d": pl.Time}, 10))
+
+
+def test_a_time_zone_of_the_train_table_is_kept(tmp_path):
+    stamps = pl.Series("t", ["2024-01-31T13:45:00"]).str.to_datetime(time_unit="ns", time_zone="Europe/Paris")
+    pl.DataFrame([stamps]).write_csv(tmp_path / "t.csv")  # polars writes 2024-01-31T13:45:00.000000000+0100
+    read = pl.concat(TableScan(tmp_path / "t.csv").batches({"t": stamps.dtype}, 10))
+    assert read["t"].dtype == stamps.dtype and read["t"].equals(stamps)
 
 
 PARQUET = b"PAR1" + bytes(range(40))
