@@ -1,14 +1,20 @@
 """A user's feature table (numpy, pandas or polars) -> the model's cells, fitted on the train rows only.
 
-    columns      numeric (any real dtype; dates, times and durations as seconds, time zones in UTC), or
-                 categorical (strings, booleans, pandas/polars categoricals, or the columns named in
-                 `categorical_features`); an object column that mixes strings and numbers is an error, never a
-                 guess, and so are complex numbers, nested (list / struct) columns and duplicate column names
+    columns      numeric (any real dtype; dates, times and durations as seconds, time zones in UTC, whether of a
+                 datetime64 / arrow / polars dtype or Python / pandas objects: date at midnight UTC, time since
+                 midnight, pd.Period at its start), or categorical (strings, booleans, pandas/polars categoricals,
+                 or the columns named in `categorical_features`); an object column that mixes strings and numbers
+                 is an error, never a guess, and so are complex numbers, nested (list / struct) columns and
+                 duplicate column names; a text column that is mostly numbers is read as categories, with a warning
+    names        a DataFrame at predict must name its columns as at fit (as strings, in order); arrays by position
     missing      None, NaN, NaT, null and pd.NA are missing cells; inf is an error; a column with no value in a
                  predict batch reads as missing cells of its fit-time kind
-    constant     a column with one value and no missing cell carries nothing and is dropped at fit
-    categories   the train rows' categories, sorted as strings, are codes 0..n-1; a category first seen at
-                 predict is a missing cell
+    constant     a column with one value and no missing cell, or with no value at all, carries nothing and is
+                 dropped at fit (at predict it is still expected, and not read)
+    categories   the train rows' categories are codes 0..n-1 in the order of their dtype (a pandas categorical's
+                 categories, a polars Enum's), else numeric when every category is a number ("2" < "10"), else
+                 sorted as strings; the fitted list defines the codes at predict. A category first seen at predict
+                 is a missing cell, with a warning when most of a column's cells are such
     scaling      numeric columns are transformed per ensemble member: "none" (only standardised with the train
                  rows' mean and deviation, in float64: the model standardises each column that way anyway), "robust" (median / interquartile range, then
                  a soft clip at +-4 so an outlier cannot dominate the model's train-row mean and deviation),
@@ -21,9 +27,11 @@ missing) and category codes; `scale(values, kind)` applies a scaling fitted at f
 
 from __future__ import annotations
 
+import datetime
 import decimal
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +150,9 @@ def _check_unique(names: list[str]) -> None:
         seen[name] = i
 
 
+_UNIT_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
 def _is_arrow_temporal(t: Any) -> bool:
     import pyarrow as pa
 
@@ -161,7 +172,7 @@ def _temporal_seconds(arr: Any) -> np.ndarray:
     elif pa.types.is_date64(t):
         scale = 1e-3
     else:
-        scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[t.unit]
+        scale = _UNIT_SECONDS[t.unit]
     ints = arr.view(pa.int32() if t.bit_width == 32 else pa.int64())
     out = ints.to_numpy(zero_copy_only=False).astype(np.float64) * scale
     out[arr.is_null().to_numpy(zero_copy_only=False)] = np.nan
@@ -190,6 +201,9 @@ def _pandas_column(col: Any, name: str) -> tuple[str, np.ndarray] | np.ndarray:
     if isinstance(dtype, pd.CategoricalDtype):  # categorical whatever its categories (ints included)
         return "categorical", np.array([None if _is_missing(v) else category_string(v) for v in col.astype(object)],
                                        dtype=object)
+    if isinstance(dtype, pd.PeriodDtype):  # a period reads as its start, a timestamp
+        col = col.dt.start_time
+        dtype = col.dtype
     arrow = dtype.pyarrow_dtype if isinstance(dtype, pd.ArrowDtype) else None
     if (pd.api.types.is_datetime64_any_dtype(dtype) or pd.api.types.is_timedelta64_dtype(dtype)
             or (arrow is not None and _is_arrow_temporal(arrow))):
@@ -252,16 +266,58 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
             except OverflowError:
                 raise ValueError(f"column {name!r} holds a {len(str(abs(int(v))))}-digit number, beyond float64's "
                                  "range (about 1.8e308): rescale the column or mark the cell missing") from None
+        elif (read := _temporal_cell(v)) is not None:
+            kinds.add(read[0])
+            out[i] = read[1]
         else:
             raise TypeError(f"column {name!r} holds a {type(v).__name__} ({v!r}); X cells must be numbers, strings, "
-                            "booleans or missing (None / NaN)")
-    if kinds == {"str", "num"}:
+                            "booleans, dates, times or missing (None / NaN)")
+    return _decide_object_column(kinds, out, name)
+
+
+def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> tuple[str, np.ndarray]:
+    """An object column's kind from the kinds of its cells: one kind, or an error naming the mix (its order and
+    meaning would be a guess)."""
+    if "str" in kinds and len(kinds) > 1:
         example = next(v for v in out if isinstance(v, str))
-        raise ValueError(f"column {name!r} mixes numbers and strings (e.g. {example!r}): fix the bad cells, or "
+        other = "numbers" if kinds - {"str"} == {"num"} else "dates or times"
+        raise ValueError(f"column {name!r} mixes {other} and strings (e.g. {example!r}): fix the bad cells, or "
                          f"convert the whole column to strings to treat it as categorical")
-    if kinds == {"num"}:
+    if len(kinds) > 1:
+        shown = " and ".join(sorted("numbers" if k == "num" else k for k in kinds))
+        raise ValueError(f"column {name!r} mixes {shown}: give each column one kind of value (dates and datetimes "
+                         "may share one)")
+    if kinds and kinds != {"str"}:  # numbers, or dates / times / durations already in seconds
         return "numeric", np.array([np.nan if v is None else v for v in out], dtype=np.float64)
     return "categorical", out
+
+
+_EPOCH = datetime.datetime(1970, 1, 1)
+
+
+def _temporal_cell(v: Any) -> tuple[str, float] | None:
+    """(kind, seconds) of a Python / numpy / pandas date, time or duration object, as the equivalent datetime64,
+    arrow or polars column reads (since the epoch, since midnight, or long; the unit's integer count times the
+    unit, so the same float); None for anything else."""
+    if hasattr(v, "start_time") and hasattr(v, "freqstr"):  # pd.Period: its start
+        v = v.start_time
+    if hasattr(v, "value") and hasattr(v, "asm8"):  # pd.Timestamp / pd.Timedelta: integers of its unit (UTC)
+        unit = getattr(v, "unit", "ns")
+        count = v.value // {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[unit]
+        return ("dates" if isinstance(v, datetime.datetime) else "durations"), count * _UNIT_SECONDS[unit]
+    if isinstance(v, np.datetime64):
+        return "dates", float(_numpy_temporal_seconds(np.array([v]))[0])
+    if isinstance(v, datetime.datetime):
+        if v.tzinfo is not None and v.utcoffset() is not None:
+            v = v.astimezone(datetime.timezone.utc).replace(tzinfo=None)
+        return "dates", ((v.replace(tzinfo=None) - _EPOCH) // datetime.timedelta(microseconds=1)) * 1e-6
+    if isinstance(v, datetime.date):
+        return "dates", (v - _EPOCH.date()).days * 86400.0
+    if isinstance(v, datetime.time):
+        return "times of day", (((v.hour * 60 + v.minute) * 60 + v.second) * 10**6 + v.microsecond) * 1e-6
+    if isinstance(v, datetime.timedelta):
+        return "durations", (v // datetime.timedelta(microseconds=1)) * 1e-6
+    return None
 
 
 def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
@@ -275,6 +331,72 @@ def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
         raise ValueError(f"Found array with 0 sample(s) (shape=(0, {len(names)})) while a minimum of 1 is "
                          "required: X needs at least one row")
     return names, cols
+
+
+def _has_names(X: Any) -> bool:
+    """Whether X names its columns (a pandas or polars DataFrame); an array's columns are known by position."""
+    return isinstance(X, pl.DataFrame) or (hasattr(X, "iloc") and hasattr(X, "columns"))
+
+
+def _has_categorical_dtype(col: Any) -> bool:
+    """A pandas categorical or polars Categorical / Enum column: its categories are declared, not guessed."""
+    if isinstance(col, pl.Series):
+        return isinstance(col.dtype, pl.Categorical | pl.Enum)
+    if type(col).__module__.startswith("pandas"):
+        import pandas as pd
+
+        return isinstance(col.dtype, pd.CategoricalDtype)
+    return False
+
+
+def _dtype_categories(col: Any) -> list[str] | None:
+    """The category order a column's dtype declares (a pandas categorical's categories, ordered or in the natural
+    order pandas gave them; a polars Enum's), as category strings; None when the values must decide (a polars
+    Categorical too: polars orders it as its strings)."""
+    if isinstance(col, pl.Series):
+        return [str(v) for v in col.dtype.categories] if isinstance(col.dtype, pl.Enum) else None
+    if _has_categorical_dtype(col):
+        return [category_string(v) for v in col.dtype.categories]
+    return None
+
+
+def _fit_categories(raw: np.ndarray, order: list[str] | None) -> tuple[str, ...]:
+    """The train rows' categories in code order: the dtype's order when it declares one, else numeric order when
+    every category is a number (so "2" < "10": the ordinal view feeds codes to the model as numbers), else sorted
+    as strings."""
+    seen = category_codes(_strings(raw))[1]  # distinct, sorted as strings
+    if order is not None:
+        present = set(seen.to_list())
+        return tuple(dict.fromkeys(c for c in order if c in present))  # the dtype holds every value
+    numbers = seen.cast(pl.Float64, strict=False)
+    if seen.len() and not numbers.null_count():
+        return tuple(seen.gather(np.argsort(numbers.to_numpy(), kind="stable")).to_list())
+    return tuple(seen.to_list())
+
+
+def _mostly_numbers(raw: np.ndarray) -> bool:
+    """Whether most non-missing cells of a text column are numbers (tabfm.table_io.mostly_numeric_text's rule)."""
+    s = _strings(raw).drop_nulls()
+    return bool(s.len()) and 2 * (s.len() - s.cast(pl.Float64, strict=False).null_count()) > s.len()
+
+
+def _numeric_text_warning(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names)
+    return (f"column(s) {shown} hold text that is mostly numbers and are read as categories: to read them as numbers "
+            "convert them (pandas: pd.to_numeric(X[c], errors='coerce'); polars: pl.col(c).cast(pl.Float64, "
+            "strict=False)), or name them in categorical_features to keep them as categories")
+
+
+def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray) -> str | None:
+    """A note naming a categorical column whose predict cells are mostly categories not seen at fit (e.g. fitted
+    on booleans, given 0/1), or None."""
+    present = _strings(raw).is_not_null().to_numpy()
+    unseen = present & (codes < 0)
+    if 2 * int(unseen.sum()) <= int(present.sum()):
+        return None
+    example = raw[np.flatnonzero(unseen)[0]]
+    return (f"column {c.name!r} ({int(unseen.sum())} of {int(present.sum())} values, e.g. {example!r}; at fit "
+            f"e.g. {list(c.categories[:3])})")
 
 
 class TablePreprocessor:
@@ -308,9 +430,11 @@ class TablePreprocessor:
         names, cols = check_table_shape(X)
         n = len(cols[0])
         self.names_ = names
+        self.named_ = _has_names(X)
         forced = self._forced(names)
         columns: list[Column] = []
         raw_numeric = []
+        numeric_text = []
         for i, (name, col) in enumerate(zip(names, cols, strict=True)):
             kind, raw = _raw_column(col, name)
             if kind == "numeric" and np.isinf(raw).any():
@@ -320,15 +444,19 @@ class TablePreprocessor:
                 kind = "categorical"
             if kind == "numeric":
                 seen = raw[~np.isnan(raw)]
-                if len(np.unique(seen)) <= 1 and len(seen) == n:
-                    continue  # constant
+                if len(np.unique(seen)) <= 1 and len(seen) in (0, n):
+                    continue  # constant, or no value at all
                 columns.append(Column(name, i, "numeric"))
                 raw_numeric.append(raw)
             else:
-                cats = tuple(category_codes(_strings(raw))[1].to_list())
-                if len(cats) <= 1 and all(v is not None for v in raw):
-                    continue  # constant
+                cats = _fit_categories(raw, _dtype_categories(col))
+                if not cats or (len(cats) == 1 and all(v is not None for v in raw)):
+                    continue  # constant, or no value at all
                 columns.append(Column(name, i, "categorical", cats))
+                if i not in forced and not _has_categorical_dtype(col) and _mostly_numbers(raw):
+                    numeric_text.append(name)
+        if numeric_text:
+            warnings.warn(_numeric_text_warning(numeric_text), UserWarning, stacklevel=2)
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
         # each column divided by its largest train magnitude first: every transform below is scale-free, and
@@ -340,8 +468,6 @@ class TablePreprocessor:
 
     @staticmethod
     def _fit_scaler(kind: str, numeric: np.ndarray) -> Any:
-        import warnings
-
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import PowerTransformer, QuantileTransformer, RobustScaler, StandardScaler
 
@@ -356,7 +482,9 @@ class TablePreprocessor:
         if kind == "power":  # standardised first: Yeo-Johnson's lambda search overflows on large raw values
             rows = numeric
             if len(rows) > POWER_FIT_ROWS:  # the lambda search costs ~20 ms per column per 1,000 rows
-                rows = rows[np.sort(np.random.default_rng(0).choice(len(rows), POWER_FIT_ROWS, replace=False))]
+                some = rows[np.sort(np.random.default_rng(0).choice(len(rows), POWER_FIT_ROWS, replace=False))]
+                if (~np.isnan(some)).any(axis=0).all():  # else a sparse column has no value there: all rows
+                    rows = some
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 return make_pipeline(StandardScaler(), PowerTransformer(method="yeo-johnson")).fit(rows)
@@ -367,12 +495,14 @@ class TablePreprocessor:
         names, cols = check_table_shape(X)
         if len(names) != len(self.names_):
             raise ValueError(f"X has {len(names)} features, but the estimator was fitted with {len(self.names_)}")
+        self._check_names(X, names)
         n = len(cols[0])
         C = max(len(self.columns_), 1)  # all columns constant: one empty column, so the model still has a token
         values = np.full((n, C), np.nan)
         codes = np.full((n, C), -1, np.int64)
         is_cat = np.zeros(C, bool)
         n_cats = np.zeros(C, np.int64)
+        unseen: list[str | None] = []
         for j, c in enumerate(self.columns_):
             kind, raw = _raw_column(cols[c.index], c.name)
             if c.kind == "numeric":
@@ -390,7 +520,25 @@ class TablePreprocessor:
                     raw = np.array([None if math.isnan(v) else category_string(v) for v in raw], dtype=object)
                 codes[:, j] = category_codes(_strings(raw), _strings(c.categories))[0]
                 is_cat[j], n_cats[j] = True, len(c.categories)
+                unseen.append(_unseen_note(c, raw, codes[:, j]))
+        if any(unseen):
+            warnings.warn(f"categorical columns hold mostly values never seen at fit, which read as missing: "
+                          f"{'; '.join(u for u in unseen if u)}. Pass the values as at fit (the same strings or types, "
+                          "not codes of them)", UserWarning, stacklevel=2)
         return Cells(values, codes, is_cat, n_cats)
+
+    def _check_names(self, X: Any, names: list[str]) -> None:
+        """A table with column names must name its columns as at fit (as strings, in order): scikit-learn checks
+        only all-string names, and a reordered table of int or tuple names would otherwise be read by position."""
+        named = getattr(self, "named_", None)
+        if named is None:  # fitted before named_ was kept: arrays were named x0, x1, ...
+            named = self.names_ != [f"x{i}" for i in range(len(self.names_))]
+        if not (named and _has_names(X)) or names == self.names_:
+            return
+        diff = [i for i, (a, b) in enumerate(zip(names, self.names_, strict=True)) if a != b]
+        raise ValueError(f"X's column names differ from those seen at fit (as strings, in order) at {len(diff)} of "
+                         f"{len(names)} positions, first column {diff[0]}: {names[diff[0]]!r} where fit had "
+                         f"{self.names_[diff[0]]!r}; pass X with the columns seen at fit, in their order")
 
     def scale(self, cells: Cells, kind: str) -> np.ndarray:
         """The numeric values [n, C] under one of the fitted transforms (NaN stays NaN; categorical columns stay
@@ -402,8 +550,6 @@ class TablePreprocessor:
         if numeric:
             out[:, numeric] = cells.values[:, numeric] / self.peak_
         if numeric and self.scalers_[kind] is not None:
-            import warnings
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 scaled = self.scalers_[kind].transform(out[:, numeric])

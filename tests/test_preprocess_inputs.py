@@ -1,0 +1,219 @@
+"""Inputs the preprocessor used to misread (a fuzzer's findings): columns with no value, category order, number
+text, unseen categories at predict, reordered non-string column names, and date / time objects."""
+
+from __future__ import annotations
+
+import datetime as dt
+import warnings
+
+import numpy as np
+import pandas as pd
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from tabfm.estimator import TabFMClassifier
+from tabfm.preprocess import Column, TablePreprocessor
+
+
+def _fit_quietly(X, **kwargs) -> TablePreprocessor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these tables should warn
+        return TablePreprocessor(**kwargs).fit(X)
+
+
+def _warnings_of(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+# -- 1. a column with no value at fit carries nothing: dropped, as a constant one ---------------------------------
+
+X0 = np.random.default_rng(0).normal(size=30)
+
+
+@pytest.mark.parametrize("X", [
+    np.c_[X0, np.full(30, np.nan)],
+    pd.DataFrame({"a": X0, "b": pd.Series([pd.NA] * 30, dtype="Float64")}),
+    pd.DataFrame({"a": X0, "b": pd.Series([None] * 30, dtype=object)}),
+    pl.DataFrame({"a": X0, "b": pl.Series([None] * 30, dtype=pl.Float64)}),
+    pl.DataFrame({"a": X0, "b": [None] * 30}),  # polars' Null type
+], ids=["numpy-nan", "pandas-Float64", "object-None", "polars-Float64", "polars-Null"])
+def test_a_column_without_values_is_dropped_at_fit(X):
+    pre = _fit_quietly(X)
+    assert [c.index for c in pre.columns_] == [0]
+    np.testing.assert_array_equal(pre.transform(X).values[:, 0], X0)
+    with pytest.raises(ValueError, match="X has 1 features, but the estimator was fitted with 2"):
+        pre.transform(np.c_[X0])  # still expected at predict
+
+
+def test_a_column_without_values_fits_and_predicts():
+    """The reproducer: PowerTransformer failed with 'not enough values to unpack'."""
+    X = np.c_[X0, np.full(30, np.nan)]
+    proba = TabFMClassifier(n_estimators=4, n_jobs=1).fit(X, (X0 > 0).astype(int)).predict_proba(X)
+    assert np.isfinite(proba).all()
+
+
+def test_a_sparse_column_fits_the_power_transform_on_all_rows():
+    """Yeo-Johnson is fitted on 500 of the rows; a column with no value among them is fitted on all."""
+    X = np.c_[np.random.default_rng(1).normal(size=2000), np.full(2000, np.nan)]
+    X[[3, 1000, 1999], 1] = [1.0, 2.0, 5.0]
+    pre = TablePreprocessor(transforms=("power",)).fit(X)
+    assert np.isfinite(pre.scale(pre.transform(X), "power")[[3, 1000, 1999]]).all()
+
+
+# -- 2. category codes follow the categories' order -----------------------------------------------------------
+
+@pytest.mark.parametrize("col, expected", [
+    (pd.Categorical([12, 1, 10, 2, 1]), ("1", "2", "10", "12")),  # pandas sorts int categories numerically
+    (pd.Categorical(["M", "XS", "L", "S"], categories=["XS", "S", "M", "L", "XL"], ordered=True),
+     ("XS", "S", "M", "L")),  # unused XL left out
+    (pd.Categorical(["b", "a"], categories=["b", "a"]), ("b", "a")),  # unordered, but the dtype's order
+    (pd.cut(np.arange(30), [-1, 2, 5, 10, 29]), ("(-1, 2]", "(2, 5]", "(5, 10]", "(10, 29]")),
+    (pl.Series(["M", "XS", "L"], dtype=pl.Enum(["XS", "S", "M", "L"])), ("XS", "M", "L")),
+    (pl.Series(["12", "1", "2"], dtype=pl.Categorical), ("1", "2", "12")),  # polars orders it as its strings
+    (pd.Series(["12", "1", "2", "-0.5", "1e3", None], dtype=object), ("-0.5", "1", "2", "12", "1e3")),
+    (pl.Series(["12", "1", "2"]), ("1", "2", "12")),
+    (pd.Series(["b", "10", "9", "a", "B"]), ("10", "9", "B", "a", "b")),  # not all numbers: sorted as strings
+    (pd.Series([True, False, True]), ("False", "True")),
+])
+def test_categories_keep_their_order(col, expected):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the number text warns (tested below)
+        pre = TablePreprocessor().fit(pl.DataFrame({"k": col}) if isinstance(col, pl.Series)
+                                      else pd.DataFrame({"k": col}))
+    assert pre.columns_[0].categories == expected
+
+
+def test_numeric_categories_code_as_their_numbers():
+    """The ordinal view feeds the codes to the model as numbers: the codes of int categories rank like the ints."""
+    k = np.random.default_rng(0).integers(1, 13, 200)
+    pre = _fit_quietly(pd.DataFrame({"k": pd.Categorical(k)}))
+    codes = pre.transform(pd.DataFrame({"k": pd.Categorical(k[::-1])})).codes[:, 0]
+    np.testing.assert_array_equal(codes, np.unique(k, return_inverse=True)[1][::-1])
+    forced = _fit_quietly(k.reshape(-1, 1), categorical_features=[0])
+    np.testing.assert_array_equal(forced.transform(k.reshape(-1, 1)).codes[:, 0], np.unique(k, return_inverse=True)[1])
+
+
+def test_the_fitted_category_list_defines_the_codes():
+    """Codes at predict come from the stored list, so an estimator fitted (and saved) with the old string order
+    keeps it."""
+    pre = _fit_quietly(pd.DataFrame({"k": pd.Categorical([1, 2, 10])}))
+    assert pre.columns_[0].categories == ("1", "2", "10")
+    batch = pd.DataFrame({"k": pd.Categorical([10, 2, 1, 3])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert pre.transform(batch).codes[:, 0].tolist() == [2, 1, 0, -1]
+        pre.columns_[0] = Column("k", 0, "categorical", ("1", "10", "2"))  # as fitted before the numeric order
+        assert pre.transform(batch).codes[:, 0].tolist() == [1, 2, 0, -1]
+
+
+# -- 3. number text read as categories warns at fit ------------------------------------------------------------
+
+def test_number_text_warns_at_fit_naming_the_column():
+    df = pd.DataFrame({"age": ["39", "50", "?", "38"], "kind": ["a", "b", "a", "b"]}).replace("?", np.nan)
+    (message,) = _warnings_of(lambda: TablePreprocessor().fit(df))
+    assert "'age'" in message and "'kind'" not in message and "pd.to_numeric" in message
+    assert "categorical_features" in message and "\n" not in message
+    assert _warnings_of(lambda: TablePreprocessor(categorical_features=["age"]).fit(df)) == []
+
+
+@pytest.mark.parametrize("col", [
+    pd.Series(["a", "b", "1"]), pd.Series(["1", "2", "x", "y"]),  # half or fewer are numbers
+    pd.Categorical(["1", "2", "1"]), pl.Series(["1", "2"], dtype=pl.Categorical),  # declared categories
+    pd.Series([True, False]),
+])
+def test_text_that_is_not_mostly_numbers_or_declared_categorical_does_not_warn(col):
+    frame = pl.DataFrame({"k": col}) if isinstance(col, pl.Series) else pd.DataFrame({"k": col})
+    assert _warnings_of(lambda: TablePreprocessor().fit(frame)) == []
+
+
+# -- 4. a predict column of mostly unseen categories warns ------------------------------------------------------
+
+def test_mostly_unseen_categories_at_predict_warn_naming_the_column():
+    pre = _fit_quietly(pd.DataFrame({"flag": [True, False] * 5, "s": ["x", "y"] * 5}))
+    (message,) = _warnings_of(lambda: pre.transform(pd.DataFrame({"flag": [1, 0] * 3, "s": ["x", "y"] * 3})))
+    assert "'flag'" in message and "'s'" not in message and "6 of 6" in message and "\n" not in message
+    # a minority of new categories, or missing cells, are no surprise
+    assert _warnings_of(lambda: pre.transform(pd.DataFrame({"flag": [True, False, None, None],
+                                                            "s": ["x", "new", "y", None]}))) == []
+
+
+# -- 5. column names that scikit-learn does not check (not all strings) -----------------------------------------
+
+@pytest.mark.parametrize("columns", [[0, 1, 2], [("a", 1), ("a", 2), ("b", 1)],
+                                     pd.MultiIndex.from_tuples([("a", 1), ("a", 2), ("b", 1)])])
+def test_reordered_non_string_names_are_refused(columns):
+    A = np.random.default_rng(0).normal(size=(10, 3))
+    train = pd.DataFrame(A, columns=columns)
+    pre = _fit_quietly(train)
+    with pytest.raises(ValueError, match=r"column names differ from those seen at fit .* 2 of 3 positions, first "
+                                         r"column 0: .*; pass X with the columns seen at fit, in their order"):
+        pre.transform(train.iloc[:, [2, 1, 0]])
+    np.testing.assert_array_equal(pre.transform(train).values, A)
+    np.testing.assert_array_equal(pre.transform(A).values, A)  # an array has no names: by position
+    del pre.named_  # fitted before named_ was kept: inferred from the names
+    with pytest.raises(ValueError, match="column names differ"):
+        pre.transform(train.iloc[:, [2, 1, 0]])
+
+
+def test_the_estimator_refuses_reordered_int_names():
+    rng = np.random.default_rng(0)
+    X = pd.DataFrame(rng.normal(size=(40, 3)))
+    clf = TabFMClassifier(n_estimators=1, n_jobs=1).fit(X, (X[0] > 0).astype(int))
+    with pytest.raises(ValueError, match="column 0: '2' where fit had '0'"):
+        clf.predict(X[[2, 1, 0]])
+    assert clf.predict(X.to_numpy()).shape == (40,)
+    fitted_on_array = TabFMClassifier(n_estimators=1, n_jobs=1).fit(X.to_numpy(), (X[0] > 0).astype(int))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scikit-learn: "X has feature names, but ... was fitted without"
+        assert fitted_on_array.predict(X[[2, 1, 0]]).shape == (40,)
+
+
+# -- 6. date, time and period objects read as the equivalent temporal columns ----------------------------------
+
+MOMENTS = [dt.datetime(2020, 1, 1, 10, 11, 12, 345678), dt.datetime(1969, 7, 20, 20, 17, 40), None]
+ZONE = dt.timezone(dt.timedelta(hours=-5))
+
+
+def _cells(column) -> np.ndarray:
+    frame = pd.DataFrame({"t": column, "x": [1.0, 2.0, 3.0]})
+    return _fit_quietly(frame).transform(frame).values[:, 0]
+
+
+@pytest.mark.parametrize("objects, equivalent", [
+    ([d and d.date() for d in MOMENTS], pd.to_datetime([d and d.date() for d in MOMENTS])),
+    (MOMENTS, pd.Series(MOMENTS, dtype="datetime64[us]")),
+    ([d and d.replace(tzinfo=ZONE) for d in MOMENTS],
+     pd.Series([d and d.replace(tzinfo=ZONE) for d in MOMENTS]).astype("datetime64[us, UTC]")),
+    ([d and d.time() for d in MOMENTS], pd.Series([d and d.time() for d in MOMENTS], dtype=pd.ArrowDtype(pa.time64("us")))),
+    ([d and pd.Period(d, "D") for d in MOMENTS], pd.Series(MOMENTS, dtype="datetime64[us]").dt.normalize()),
+    ([d and pd.Timestamp(d).as_unit("ns") for d in MOMENTS], pd.Series(MOMENTS, dtype="datetime64[ns]")),
+    ([d and d - MOMENTS[1] for d in MOMENTS], pd.Series([d and d - MOMENTS[1] for d in MOMENTS], dtype="timedelta64[us]")),
+], ids=["date", "datetime", "datetime-aware", "time", "Period", "Timestamp", "timedelta"])
+def test_date_and_time_objects_read_as_the_equivalent_column(objects, equivalent):
+    got = _cells(pd.Series(objects, dtype=object))
+    np.testing.assert_array_equal(got, _cells(equivalent))
+    assert np.isnan(got[2]) and not np.isnan(got[:2]).any()
+
+
+def test_period_dtype_and_polars_agree():
+    periods = pd.Series(pd.to_datetime(["2020-03-15", "1969-07-20", None])).dt.to_period("M")
+    np.testing.assert_array_equal(_cells(periods), _cells(pd.to_datetime(["2020-03-01", "1969-07-01", None])))
+    np.testing.assert_array_equal(_cells(pd.Series(MOMENTS[:2] + [None], dtype=object)),
+                                  TablePreprocessor().fit(pl.DataFrame({"t": MOMENTS, "x": [1.0, 2.0, 3.0]}))
+                                  .transform(pl.DataFrame({"t": MOMENTS, "x": [1.0, 2.0, 3.0]})).values[:, 0])
+    assert _cells(pd.Series([dt.date(1970, 1, 2), None, dt.date(1969, 12, 31)], dtype=object)).tolist()[::2] == \
+        [86400.0, -86400.0]
+
+
+@pytest.mark.parametrize("cells, match", [
+    ([dt.date(2020, 1, 1), "2020-01-02", None], "mixes dates or times and strings"),
+    ([dt.date(2020, 1, 1), dt.time(10), None], "mixes dates and times of day"),
+    ([dt.date(2020, 1, 1), 3.5, None], "mixes dates and numbers"),
+])
+def test_mixed_date_columns_are_refused_by_name(cells, match):
+    with pytest.raises(ValueError, match=f"column 't' {match}"):
+        _cells(pd.Series(cells, dtype=object))
