@@ -1,5 +1,7 @@
 """One category encoder (tabfm.data.encode.category_codes) for synthetic and evaluation tables and for the
-estimators' inputs of any container: train categories sorted as strings, missing and unseen -1."""
+estimators' inputs of any container: train categories sorted as strings, missing and unseen -1. (The estimators
+order categories that are all numbers numerically, and a categorical dtype's in its own order:
+tests/test_preprocess_inputs.py.)"""
 
 import numpy as np
 import polars as pl

@@ -1,11 +1,11 @@
 """Fuzz TabFMClassifier / TabFMRegressor fit + predict over small odd tables (issue 16).
 
 Each example is a table of 1-30 rows in pandas, polars or numpy, with columns drawn from: floats with NaN, inf and
-huge / tiny magnitudes (1e300, 1e-300), integers, constant, all-missing, duplicated, strings, booleans, pandas
-nullable (Int64, Float64, boolean) and categorical dtypes, datetimes with NaT; labels are ints, strings or booleans
-(regression: floats). The estimator must either refuse it with one ValueError / TypeError line of its own, or
-predict: finite probabilities summing to one and labels among classes_ (regression: finite predictions), the
-first row alone predicted as within the whole table.
+huge / tiny magnitudes (1e300, 1e-300), integers, constant, all-missing (None or NaN), duplicated, strings,
+number text, booleans, pandas nullable (Int64, Float64, boolean) and categorical dtypes, datetimes with NaT, Python
+dates; labels are ints, strings or booleans (regression: floats). The estimator must either refuse it with one
+ValueError / TypeError line of its own, or predict: finite probabilities summing to one and labels among classes_
+(regression: finite predictions), the first row alone predicted as within the whole table.
 
 TABFM_FUZZ_EXAMPLES=500 python -m pytest tests/test_estimator_fuzz.py  runs a longer hunt (default 25 examples, the
 same ones every run so CI is reproducible).
@@ -13,6 +13,7 @@ same ones every run so CI is reproducible).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import warnings
 
@@ -38,14 +39,17 @@ INTERNAL = ("not supported between", "ambiguous", "broadcast", "out of bounds", 
 @st.composite
 def columns(draw, n: int) -> tuple[str, list]:
     """(kind, n cells) of one column."""
-    kind = draw(st.sampled_from(["float", "odd_float", "int", "constant", "missing", "string", "bool", "Int64",
-                                 "Float64", "boolean", "category", "datetime"]))
+    kind = draw(st.sampled_from(["float", "odd_float", "int", "constant", "missing", "nan", "string", "number_text",
+                                 "bool", "Int64", "Float64", "boolean", "category", "datetime", "date_object"]))
     cell = {
         "float": st.floats(-1e6, 1e6) | st.just(np.nan),
         "odd_float": st.sampled_from(ODD_FLOATS) | st.floats(allow_nan=True, allow_infinity=False),
         "int": st.integers(-10**12, 10**12),
         "constant": st.just(7.5),
         "missing": st.none(),
+        "nan": st.just(np.nan),
+        "number_text": st.sampled_from(["1", "10", "2", "-0.5", "?", None]),
+        "date_object": st.dates(min_value=dt.date(1900, 1, 1), max_value=dt.date(2200, 1, 1)) | st.none(),
         "string": st.sampled_from(["a", "b", "c", "", " ", "é", None]),
         "bool": st.booleans(),
         "Int64": st.integers(-1000, 1000) | st.none(),
@@ -63,7 +67,7 @@ def _pandas_column(kind: str, cells: list) -> pd.Series:
         return pd.Series(cells, dtype=kind)
     if kind == "datetime":
         return pd.Series(pd.to_datetime(cells))
-    if kind in ("missing", "string"):
+    if kind in ("missing", "string", "number_text", "date_object"):
         return pd.Series(cells, dtype=object)
     return pd.Series(cells)
 
