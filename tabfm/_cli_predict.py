@@ -69,6 +69,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    + " ".join(repr(v) if v else "'' (empty)" for v in NA_VALUES))
     p.add_argument("--no-default-na", action="store_true",
                    help="read only empty cells and the --na-values as missing (e.g. when 'NA' or '-' is a category)")
+    p.add_argument("--separator", type=parse_separator, default=None, metavar="SEP",
+                   help="field separator of the .csv/.tsv tables, e.g. ';' or tab (default: ',' for .csv, tab for "
+                   ".tsv)")
+    p.add_argument("--decimal-comma", action="store_true",
+                   help="numbers in the .csv/.tsv tables are written with a decimal comma (1,5), as in "
+                   "semicolon-separated exports")
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (warnings still show)")
     p.add_argument("--batch-size", type=int, default=1024, help="test rows per forward")
     p.add_argument("--batch-rows", type=int, default=100_000,
@@ -87,12 +93,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "rows (instead of --nproc, which splits the model)")
 
 
-def read_table(path: str, na_values: Sequence[str] | None = None):
+def parse_separator(text: str) -> str:
+    """--separator: one character, or 'tab' (a tab is awkward to type in a shell)."""
+    separator = "\t" if text.lower() in ("tab", "\\t") else text
+    if len(separator) != 1 or not separator.isascii() or separator in "\"\r\n":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a separator: give one character such as ';' or '|', or tab")
+    return separator
+
+
+def read_table(path: str, na_values: Sequence[str] | None = None, separator: str | None = None,
+               decimal_comma: bool = False):
     """A polars DataFrame from a .csv, .tsv or .parquet file (tabfm.table_io.read_table: NA tokens missing, one-line
     TableError for a file that cannot be read)."""
     from tabfm import table_io
 
-    return table_io.read_table(path, table_io.NA_VALUES if na_values is None else na_values)
+    return table_io.read_table(path, table_io.NA_VALUES if na_values is None else na_values, separator,
+                               decimal_comma)
 
 
 def infer_task(y) -> tuple[str, str]:
@@ -125,11 +141,14 @@ def load_train(args: argparse.Namespace):
     ValueError on bad input."""
     from tabfm import table_io
 
-    train = read_table(args.train, _na(args))
+    train = read_table(args.train, _na(args), args.separator, args.decimal_comma)
     for column, k, n, others in table_io.mostly_numeric_text(train):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
+    for column, example in [] if args.decimal_comma else table_io.decimal_comma_text(train):
+        _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
+             f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)
     if args.target not in train.columns:
         raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
     unlabelled = train.get_column(args.target).null_count()
@@ -168,7 +187,7 @@ def open_test(args: argparse.Namespace, X):
     """--test opened for reading in batches (tabfm.table_io.TableScan), checked to hold X's columns."""
     from tabfm import table_io
 
-    test = table_io.TableScan(args.test, _na(args), check_rows=args.batch_rows)
+    test = table_io.TableScan(args.test, _na(args), args.batch_rows, args.separator, args.decimal_comma)
     missing_cols = [c for c in X.columns if c not in test.columns]
     if missing_cols:
         raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")

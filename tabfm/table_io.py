@@ -37,6 +37,9 @@ UCI tables). Matched exactly (case-sensitive) after stripping blanks; empty cell
 READ_FORMATS = {".csv": ",", ".txt": ",", ".tsv": "\t", ".parquet": None}
 """Readable extensions and their field separator (None: Parquet)."""
 
+SEPARATOR_NAMES = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
+"""Field separators a one-column header is checked for (a file read with the wrong one has a one-column header)."""
+
 WRITE_FORMATS = (".csv", ".tsv", ".parquet")
 STDOUT = "-"
 _PARQUET_MAGIC = b"PAR1"
@@ -57,13 +60,16 @@ def na_tokens(extra: str | Iterable[str] = "", defaults: bool = True) -> list[st
     return list(dict.fromkeys(tokens + [t.strip() for t in items if t.strip()]))
 
 
-def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES) -> pl.DataFrame:
+def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES, separator: str | None = None,
+               decimal_comma: bool = False) -> pl.DataFrame:
     """A DataFrame from a .csv/.txt, .tsv or .parquet file with at least one row; `na_values` cells are missing.
+    A text file's fields are split at `separator` (None: by extension); `decimal_comma` reads text cells such as
+    1,5 as numbers.
 
     Raises TableError (one line, naming the file) for a missing, empty, ragged, non-UTF-8 or mislabelled file.
     """
     p, head = _checked_file(path)
-    separator = READ_FORMATS[p.suffix.lower()]
+    separator = _separator(p, separator)
     if separator is None:
         df = _read_parquet(p, head)
     else:
@@ -71,7 +77,41 @@ def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES) -> pl.Dat
     _check_header(p, df.columns)
     if df.height == 0:
         raise TableError(f"{path}: has a header ({len(df.columns)} columns) but no rows")
-    return _tidy_text(df, na_values)
+    return _tidy_text(df, na_values, decimal_comma)
+
+
+def _separator(p: Path, separator: str | None) -> str | None:
+    """The field separator of `p` (None: Parquet): `separator` for a text file when given, else its extension's,
+    checked against its header (see _check_separator)."""
+    default = READ_FORMATS[p.suffix.lower()]
+    if default is None:
+        return None
+    separator = separator or default
+    _check_separator(p, separator)
+    return separator
+
+
+def _check_separator(p: Path, separator: str) -> None:
+    """A header that splits into one column holding another separator (a semicolon export read as CSV) would
+    otherwise fail later as a ragged row or a missing column; say what the file looks like instead."""
+    try:
+        with p.open(newline="", encoding="utf-8", errors="replace") as f:
+            header = next(csv.reader(f, delimiter=separator), [])
+    except csv.Error:  # a field beyond csv's size limit: polars reads it, or reports it
+        return
+    if len(header) != 1:
+        return
+    for other, name in SEPARATOR_NAMES.items():
+        if other != separator and other in header[0]:
+            comma = " (and --decimal-comma if its numbers are written 1,5)" if other == ";" else ""
+            raise TableError(f"{p}: the header {header[0][:60]!r} is one column holding {other!r}: the file looks "
+                             f"{name}-separated; pass --separator {_shell_word(other)}{comma}, or save it as "
+                             "comma-separated CSV")
+
+
+def _shell_word(separator: str) -> str:
+    """A separator as --separator takes it on a command line."""
+    return "tab" if separator == "\t" else f"'{separator}'"
 
 
 def _checked_file(path: str | Path) -> tuple[Path, bytes]:
@@ -182,9 +222,10 @@ def _check_header(p: Path, columns: Sequence[str]) -> None:
             raise TableError(f"{p}: column name {m.group(1)!r} appears more than once in the header; rename one")
 
 
-def _tidy_text(df: pl.DataFrame, na_values: Sequence[str]) -> pl.DataFrame:
+def _tidy_text(df: pl.DataFrame, na_values: Sequence[str], decimal_comma: bool = False) -> pl.DataFrame:
     """Text columns stripped of blanks, NA tokens made missing, and turned numeric when every cell left is a number
-    (so ' 3', ' NA' and an all-missing column read as numbers, as they would in a clean file)."""
+    (so ' 3', ' NA' and an all-missing column read as numbers, as they would in a clean file; with `decimal_comma`,
+    '1,5' too)."""
     import polars as pl
 
     tidy = []
@@ -192,8 +233,9 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str]) -> pl.DataFrame:
         if dtype != pl.String:
             continue
         s = _text_cells(df.get_column(name), na_values)
+        number_text = _decimal_point(s) if decimal_comma else s
         for numeric in (pl.Int64, pl.Float64):
-            cast = s.cast(numeric, strict=False)
+            cast = number_text.cast(numeric, strict=False)
             if cast.null_count() == s.null_count():
                 s = cast
                 break
@@ -232,6 +274,29 @@ def text_to_temporal(s: pl.Series, dtype: pl.DataType) -> pl.Series:
               for f in _DATETIME_FORMATS]
     out = pl.select(pl.coalesce(parsed)).to_series().alias(s.name)
     return out.dt.convert_time_zone(dtype.time_zone) if aware else out
+
+
+def _decimal_point(s: pl.Series) -> pl.Series:
+    """Text cells with a decimal comma written with a point (1,5 -> 1.5), for reading them as numbers."""
+    return s.str.replace(",", ".", literal=True)
+
+
+def decimal_comma_text(df: pl.DataFrame) -> list[tuple[str, str]]:
+    """Text columns most of whose cells are numbers written with a decimal comma: (column, an example cell).
+
+    Such a column (a semicolon export read without --decimal-comma) is read as categories, which is not what was
+    meant."""
+    import polars as pl
+
+    found = []
+    for name, dtype in df.schema.items():
+        if dtype != pl.String:
+            continue
+        s = df.get_column(name).drop_nulls()
+        comma = s.str.contains(",", literal=True) & _decimal_point(s).cast(pl.Float64, strict=False).is_not_null()
+        if s.len() and 2 * comma.sum() > s.len():
+            found.append((name, s.filter(comma)[0]))
+    return found
 
 
 def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
@@ -274,12 +339,14 @@ class TableScan:
     read exactly as in any other batch, whatever the batch size.
     """
 
-    def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES, check_rows: int = 1000):
+    def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES, check_rows: int = 1000,
+                 separator: str | None = None, decimal_comma: bool = False):
         import polars as pl
 
         self.path, _ = _checked_file(path)
         self.na_values = list(na_values)
-        self._separator = READ_FORMATS[self.path.suffix.lower()]
+        self.decimal_comma = decimal_comma
+        self._separator = _separator(self.path, separator)
         with self._reading():
             if self._separator is None:
                 self._frame = pl.scan_parquet(self.path)
@@ -309,17 +376,17 @@ class TableScan:
         offset = 0
         with self._reading():
             for batch in self._frame.select(list(schema)).collect_batches(chunk_size=rows, lazy=True):
-                yield conform(batch, schema, self.na_values, f"{self.path}", offset)
+                yield conform(batch, schema, self.na_values, f"{self.path}", offset, self.decimal_comma)
                 offset += batch.height
 
 
 def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequence[str] = NA_VALUES,
-            where: str = "table", offset: int = 0) -> pl.DataFrame:
+            where: str = "table", offset: int = 0, decimal_comma: bool = False) -> pl.DataFrame:
     """`df`'s text columns read as `schema` says, cell by cell (never from what the other cells hold): stripped,
     NA tokens missing, then numbers where the schema has a number, dates or date-times where it has one (ISO 8601,
     see text_to_temporal; a cell that is neither is a TableError naming it and its row, counted from `offset`),
     True/False for a boolean column's true/false in any case (the categories a boolean column has), text otherwise.
-    Columns that are not text are kept as they are."""
+    Columns that are not text are kept as they are. `decimal_comma`: a number may be written 1,5."""
     import polars as pl
 
     out = []
@@ -330,7 +397,8 @@ def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequ
             continue
         s = _text_cells(s, na_values)
         if dtype.is_numeric():
-            s = _read_cells(s, s.cast(pl.Float64, strict=False), "numbers", where, offset)
+            number_text = _decimal_point(s) if decimal_comma else s
+            s = _read_cells(s, number_text.cast(pl.Float64, strict=False), "numbers", where, offset)
         elif dtype in (pl.Date, pl.Datetime):
             s = _read_cells(s, text_to_temporal(s, dtype), _temporal_words(dtype), where, offset)
         elif dtype.is_temporal():

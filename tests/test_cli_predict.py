@@ -336,6 +336,44 @@ def test_a_date_column_reads_alike_from_csv_and_parquet(tmp_path, capsys):
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]  # before: d a category of 90 days from CSV
 
 
+def test_a_semicolon_export_with_decimal_commas_reads_as_the_csv(tables, capsys):
+    def european(name: str) -> str:
+        text = (tables / name).read_text()  # the table's text cells hold no comma
+        return text.replace(",", ";").replace(".", ",")
+
+    (tables / "train_semi.csv").write_text(european("train.csv"))
+    (tables / "test_semi.csv").write_text(european("test.csv"))
+    common = ["predict", "--target", "label", "--proba", "--n-estimators", "1", "--quiet"]
+    assert main([*common, "--train", str(tables / "train.csv"), "--test", str(tables / "test.csv"),
+                 "-o", str(tables / "comma.csv")]) == 0
+    semi = [*common, "--train", str(tables / "train_semi.csv"), "--test", str(tables / "test_semi.csv")]
+    assert main(semi) == 2  # before: "line 2 has 2 fields but the header has 1"
+    assert capsys.readouterr().err == f"tabfm predict: error: {tables / 'train_semi.csv'}: the header " \
+        f"'{(tables / 'train_semi.csv').read_text().splitlines()[0][:60]}' is one column holding ';': the file " \
+        "looks semicolon-separated; pass --separator ';' (and --decimal-comma if its numbers are written 1,5), " \
+        "or save it as comma-separated CSV\n"
+    assert main([*semi, "--separator", ";", "-o", str(tables / "categories.csv")]) == 0  # numbers as categories
+    warnings = capsys.readouterr().err.splitlines()
+    example = str(pl.read_csv(tables / "train.csv")["x"][0]).replace(".", ",")
+    assert warnings[0] == f"tabfm predict: warning: {tables / 'train_semi.csv'}: column 'x' is read as text " \
+        f"(categories) although its values are numbers with a decimal comma (e.g. '{example}'); pass --decimal-comma"
+    assert main([*semi, "--separator", ";", "--decimal-comma", "-o", str(tables / "semi.csv")]) == 0
+    assert (tables / "semi.csv").read_text() == (tables / "comma.csv").read_text()
+
+
+@pytest.mark.parametrize("text, separator", [(";", ";"), ("tab", "\t"), ("\\t", "\t"), ("\t", "\t"), ("|", "|")])
+def test_separator_option_reaches_the_ranks(text, separator):
+    from tabfm._cli_predict import worker_parser
+    from tabfm.launch import worker_argv
+
+    args = worker_parser().parse_args(["--train", "a.csv", "--target", "y", "--test", "b.csv", "--separator", text,
+                                       "--decimal-comma"])
+    assert args.separator == separator
+    assert worker_parser().parse_args(worker_argv(worker_parser(), args)) == args
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args(["--train", "a.csv", "--target", "y", "--test", "b.csv", "--separator", ";;"])
+
+
 def _predict_worker(argv: list[str]) -> int:
     from tabfm._cli_predict import worker_main
 

@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 
 from tabfm import table_io
-from tabfm.table_io import (NA_VALUES, TableError, TableScan, TableWriter, check_output, mostly_numeric_text, na_tokens,
-                            read_table, write_table)
+from tabfm.table_io import (NA_VALUES, TableError, TableScan, TableWriter, check_output, decimal_comma_text,
+                            mostly_numeric_text, na_tokens, read_table, write_table)
 
 
 def _write(path, data: bytes | str):
@@ -117,6 +117,11 @@ UNREADABLE = [
     ("parquet.csv", PARQUET, "this is a Parquet file, not .csv text; name it .parquet"),
     ("dup.csv", b"a,b,a\n1,2,3\n", "column name 'a' appears more than once"),
     ("book.xlsx", b"PK\x03\x04", "unknown table format '.xlsx'"),
+    ("semi.csv", b"a;c;y\n1,5;x,y;1\n", "the header 'a;c;y' is one column holding ';': the file looks "
+     "semicolon-separated; pass --separator ';' (and --decimal-comma if its numbers are written 1,5), or save it"),
+    ("semi_plain.csv", b"a;c;y\n1;x;1\n", "looks semicolon-separated; pass --separator ';'"),
+    ("tabs.csv", b"a\tc\n1\t2\n", "looks tab-separated; pass --separator tab, or save it as comma-separated CSV"),
+    ("commas.tsv", b"a,c\n1,2\n", "looks comma-separated; pass --separator ','"),
 ]
 
 
@@ -128,6 +133,21 @@ def test_unreadable_files_give_one_line_naming_the_file(tmp_path, read, name, da
         read(f)
     text = str(err.value)
     assert text.startswith(f"{f}: ") and message in text and "\n" not in text
+
+
+def test_a_separator_and_decimal_commas(tmp_path):
+    f = _write(tmp_path / "semi.csv", "a;c;y\n1,5;x,y;1\n-2,25;z;0\n3;NA;1\n")
+    df = read_table(f, separator=";", decimal_comma=True)
+    assert df.schema == pl.Schema({"a": pl.Float64, "c": pl.String, "y": pl.Int64})
+    assert df["a"].to_list() == [1.5, -2.25, 3.0] and df["c"].to_list() == ["x,y", "z", None]
+    plain = read_table(f, separator=";")  # without decimal_comma: text, and reported
+    assert plain["a"].to_list() == ["1,5", "-2,25", "3"] and decimal_comma_text(plain) == [("a", "1,5")]
+    assert decimal_comma_text(df) == []
+    assert decimal_comma_text(read_table(_write(tmp_path / "t.csv", 'c\n"x,y"\n"1,5"\n"a,b"\n'))) == []
+    scan = TableScan(f, separator=";", decimal_comma=True)
+    assert pl.concat(scan.batches(df.schema, 1)).equals(df.with_columns(pl.col("y").cast(pl.Float64)))
+    with pytest.raises(TableError, match=r"column 'a' holds '1,5' \(row 1\) where the train table has numbers"):
+        list(TableScan(f, separator=";").batches({"a": pl.Float64}, 10))
 
 
 def test_missing_file_and_folder(tmp_path):
