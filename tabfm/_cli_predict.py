@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 
 from tabfm._cli_demo import parse_layout
@@ -267,9 +268,13 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
+    from tabfm.preprocess import NumericTextWarning
+
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     y_values = y.to_numpy() if task == "regression" else y.cast(pl.String).to_numpy()
-    return est.fit(X, y_values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericTextWarning)  # read_tables said it already, with the CLI's remedy
+        return est.fit(X, y_values)
 
 
 def prediction_frame(args: argparse.Namespace, est, outputs):

@@ -380,6 +380,11 @@ def _mostly_numbers(raw: np.ndarray) -> bool:
     return bool(s.len()) and 2 * (s.len() - s.cast(pl.Float64, strict=False).null_count()) > s.len()
 
 
+class NumericTextWarning(UserWarning):
+    """fit read text columns that are mostly numbers as categories (a category of its own, so that callers that
+    say it their own way, such as `tabfm predict`, can silence this one alone)."""
+
+
 def _numeric_text_warning(names: list[str]) -> str:
     shown = ", ".join(repr(n) for n in names)
     return (f"column(s) {shown} hold text that is mostly numbers and are read as categories: to read them as numbers "
@@ -456,7 +461,7 @@ class TablePreprocessor:
                 if i not in forced and not _has_categorical_dtype(col) and _mostly_numbers(raw):
                     numeric_text.append(name)
         if numeric_text:
-            warnings.warn(_numeric_text_warning(numeric_text), UserWarning, stacklevel=2)
+            warnings.warn(_numeric_text_warning(numeric_text), NumericTextWarning, stacklevel=2)
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
         # each column divided by its largest train magnitude first: every transform below is scale-free, and

@@ -9,6 +9,7 @@ import csv
 import re
 import subprocess
 import sys
+import warnings
 from datetime import date
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 from builders import mixed_frame
 
 from tabfm.cli import main
+from tabfm.preprocess import NumericTextWarning
 
 
 @pytest.fixture
@@ -206,6 +208,22 @@ def test_a_mostly_numeric_text_column_is_warned_about(tables, capsys):
     assert error.startswith("tabfm predict: error: ") and "has no column 'nope'" in error
     assert main([*argv, "--na-values", "n.a."]) == 2
     assert "warning" not in capsys.readouterr().err
+
+
+
+def test_a_mostly_numeric_text_column_is_warned_about_once(tables, capsys):
+    train = pl.read_csv(tables / "train.csv")
+    train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
+                       .otherwise(pl.col("x").cast(pl.String)).alias("x")).write_csv(tables / "bad.csv")
+    test = pl.read_csv(tables / "test.csv").with_columns(pl.col("x").cast(pl.String))
+    test.write_csv(tables / "bad_test.csv")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main(["predict", "--train", str(tables / "bad.csv"), "--test", str(tables / "bad_test.csv"), "--target",
+                   "label", "-o", str(tables / "out.csv"), "--n-estimators", "1", "--quiet"])
+    assert rc == 0
+    assert capsys.readouterr().err.count("column 'x' is read as text") == 1  # the command's own line
+    assert not [w for w in caught if issubclass(w.category, NumericTextWarning)]  # not the estimator's as well
 
 
 def _snapshot(folder) -> dict[str, bytes]:
