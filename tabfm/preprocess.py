@@ -375,9 +375,11 @@ def _fit_categories(raw: np.ndarray, order: list[str] | None) -> tuple[str, ...]
 
 
 def _mostly_numbers(raw: np.ndarray) -> bool:
-    """Whether most non-missing cells of a text column are numbers (tabfm.table_io.mostly_numeric_text's rule)."""
-    s = _strings(raw).drop_nulls()
-    return bool(s.len()) and 2 * (s.len() - s.cast(pl.Float64, strict=False).null_count()) > s.len()
+    """Whether most non-missing cells of a text column are numbers: the rule `tabfm predict` warns by
+    (tabfm.table_io.mostly_numeric_text), so the API and the command agree on which columns they name."""
+    from tabfm.table_io import mostly_numeric_text
+
+    return bool(mostly_numeric_text(pl.DataFrame({"column": _strings(raw)})))
 
 
 class NumericTextWarning(UserWarning):
