@@ -27,11 +27,6 @@ HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def one_side(args: argparse.Namespace, release: bool) -> dict:
     """Run in the child process: fit, predict the chunks, report times and memory (and a digest of the outputs)."""
     import numpy as np
@@ -41,6 +36,7 @@ def one_side(args: argparse.Namespace, release: bool) -> dict:
 
     import tabfm.heap_release
     from tabfm import TabFMClassifier
+    from tabfm.heap_release import resident_bytes
 
     if not release:
         tabfm.heap_release.FREE_HEAP_LIMIT = None

@@ -261,6 +261,7 @@ def fit(args: argparse.Namespace, X, y, task: str):
     import torch.distributed as dist
 
     from tabfm.estimator import TabFMClassifier, TabFMRegressor
+    from tabfm.preprocess import NumericTextWarning
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp = (args.layout or (world, 1)) if world > 1 and args.data_parallel == 1 else None
@@ -269,8 +270,6 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
-    from tabfm.preprocess import NumericTextWarning
-
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     y_values = y.to_numpy() if task == "regression" else y.cast(pl.String).to_numpy()
     with warnings.catch_warnings():

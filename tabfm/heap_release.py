@@ -5,8 +5,9 @@ thread), to reuse it; it returns only what sits at a heap's top. The estimators'
 sizes between longer-lived arrays, so holes accumulate: a default TabFMClassifier predicting 10,000-row chunks
 against a 1,000-row table grew from 1.0 to 4.8 GiB of resident memory over 60,000 rows while under 0.3 GiB was
 in use (no object leaked: `malloc_trim` brought it back to 0.8 GiB). So after each test batch and each group of
-encoded contexts, where more than FREE_HEAP_LIMIT bytes are free inside the heaps, `malloc_trim(0)` releases
-them; the same run then stays at 0.8-1.0 GiB, about as fast (`benchmarks/heap_release.py`).
+encoded contexts, where the resident memory not in use has grown more than FREE_HEAP_LIMIT bytes past the
+forwards' own working set (release_free_heap), `malloc_trim(0)` releases it; the same run then stays at 0.8-1.0
+GiB, about as fast (`benchmarks/heap_release.py`).
 
 Hand-written (a few lines of ctypes): PyTorch and numpy expose no such call, and no maintained library wraps
 glibc's two functions. Elsewhere (macOS, musl, Windows) it does nothing.
@@ -45,17 +46,22 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+def resident_bytes() -> int | None:
+    """The process's resident set now (Linux's /proc/self/statm), or None where there is no such file."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def held_free_bytes() -> int | None:
     """Resident bytes that are not in use by malloc's callers: the process's resident set minus what malloc has
     handed out (heaps and mmapped blocks). It includes the libraries' code and data, which do not change between
     forwards, so only its growth means anything. None off glibc on Linux."""
     libc = _libc()
-    if libc is None:
-        return None
-    try:
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+    resident = resident_bytes()
+    if libc is None or resident is None:
         return None
     info = libc.mallinfo2()
     return resident - int(info.uordblks) - int(info.hblkhd)
