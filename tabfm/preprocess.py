@@ -107,6 +107,20 @@ def category_string(v: Any) -> str:
     return str(v)
 
 
+def unmask(a: np.ndarray) -> np.ndarray:
+    """A masked array's values with its masked cells missing (NaN for numbers, None otherwise), any other array as
+    it is: np.asarray keeps the values under a mask, which would read them as data."""
+    if not isinstance(a, np.ma.MaskedArray):
+        return a
+    if not np.ma.count_masked(a):
+        return np.ma.getdata(a)
+    if a.dtype.kind in "iuf":
+        return a.astype(np.float64).filled(np.nan)
+    out = np.ma.getdata(a).astype(object)
+    out[np.ma.getmaskarray(a)] = None
+    return out
+
+
 def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     """(names, column objects)."""
     try:
@@ -126,7 +140,7 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
         _check_unique(names)
         return names, [X.iloc[:, i] for i in range(X.shape[1])]
     try:
-        arr = np.asarray(X)
+        arr = np.asarray(unmask(X))
     except ValueError:  # ragged rows
         raise ValueError("X's rows have different lengths: give every row one value per column (None where "
                          "missing)") from None
@@ -396,14 +410,14 @@ def _numeric_text_warning(names: list[str]) -> str:
 
 def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray) -> str | None:
     """A note naming a categorical column whose predict cells are mostly categories not seen at fit (e.g. fitted
-    on booleans, given 0/1), or None."""
+    on booleans, given 0/1), or None. It names no counts: predicting batch after batch (tabfm predict) repeats
+    the same text, which Python's default warning filter then shows once."""
     present = _strings(raw).is_not_null().to_numpy()
     unseen = present & (codes < 0)
     if 2 * int(unseen.sum()) <= int(present.sum()):
         return None
     example = raw[np.flatnonzero(unseen)[0]]
-    return (f"column {c.name!r} ({int(unseen.sum())} of {int(present.sum())} values, e.g. {example!r}; at fit "
-            f"e.g. {list(c.categories[:3])})")
+    return f"column {c.name!r} (e.g. {example!r}; at fit e.g. {list(c.categories[:3])})"
 
 
 class TablePreprocessor:

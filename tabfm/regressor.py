@@ -19,7 +19,7 @@ from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _TabFMBase, _threaded
 from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
-from tabfm.preprocess import Cells, check_table_shape
+from tabfm.preprocess import Cells, check_table_shape, unmask
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
 
@@ -66,7 +66,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
         self._validate_params()
         check_table_shape(X)
-        y = column_or_1d(y, warn=True)
+        y = column_or_1d(unmask(y), warn=True)  # masked targets become NaN, refused below
         try:
             y = y.astype(np.float64)
         except (TypeError, ValueError):

@@ -107,6 +107,10 @@ def check_class_labels(y: Any) -> np.ndarray:
     """y as a 1-D array of class labels, refused with one clear line when a label is missing (None, NaN, pd.NA,
     NaT), infinite, or of another kind than the rest (strings mixed with numbers or booleans), or when y is
     continuous."""
+    if isinstance(y, np.ma.MaskedArray):  # np.asarray would keep the values under the mask
+        if (masked := np.ma.count_masked(y)) > 0:
+            raise ValueError(f"y is a masked array with {masked} masked labels: drop those rows or give them a class")
+        y = np.ma.getdata(y)
     given = np.asarray(y, dtype=object).ravel() if isinstance(y, list | tuple) else None  # numpy would stringify
     y = column_or_1d(y, warn=True)                                                           # ["a", 1] silently
     missing = bad = np.zeros(len(y), bool)
@@ -128,6 +132,8 @@ def check_class_labels(y: Any) -> np.ndarray:
         if len(examples) > 1:
             kinds = " and ".join(f"{k} (e.g. {v!r})" for k, v in examples.items())
             raise ValueError(f"y mixes label types: {kinds}; give every label one type, e.g. y.astype(str)")
+        if y.dtype.kind == "O" and set(examples) <= {"number", "bool"}:  # e.g. a pandas object column of ints:
+            y = np.array(y.tolist())  # scikit-learn calls its type "unknown"; read as the numbers they are
     check_classification_targets(y)
     return y
 

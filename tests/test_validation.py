@@ -140,6 +140,24 @@ def test_good_labels_pass_unchanged(y):
     assert out.ndim == 1 and list(out) == list(y)
 
 
+@pytest.mark.parametrize("y, expected", [
+    (np.array([0, 1, 0, 1], dtype=object), np.array([0, 1, 0, 1])),  # a pandas object column of ints
+    (pd.Series([2, 7, 2], dtype=object), np.array([2, 7, 2])),
+    (np.array([True, False, True], dtype=object), np.array([True, False, True])),
+    (np.array([0.0, 1.0, 0.0], dtype=object), np.array([0.0, 1.0, 0.0])),
+])
+def test_object_arrays_of_one_number_kind_read_as_numbers(y, expected):
+    out = check_class_labels(y)  # scikit-learn's type_of_target calls these "unknown"
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_masked_labels_are_refused_and_an_empty_mask_is_ignored():
+    with pytest.raises(ValueError, match=r"^y is a masked array with 1 masked labels: drop those rows"):
+        check_class_labels(np.ma.array([0, 1, 0, 1], mask=[0, 1, 0, 0]))  # np.asarray would read the masked 1
+    np.testing.assert_array_equal(check_class_labels(np.ma.array([0, 1, 1], mask=False)), [0, 1, 1])
+
+
 # -- threads ------------------------------------------------------------------------------------------------
 
 def test_torch_threads_sets_and_restores():
