@@ -61,6 +61,9 @@ def build_model_and_optimizer(cfg: RunConfig, mesh: TPMesh, device: torch.device
     parallelized on `mesh`, and its AdamW (weight decay on linear weight matrices only)."""
     model = build_model(cfg.model, seed=cfg.train.seed).to(device=device, dtype=DTYPES[cfg.train.dtype])
     if init_from:
-        ckpt.init_weights(model, init_from)
+        regrouped = ckpt.init_weights(model, init_from)
+        if regrouped and is_rank0():
+            print("init_from: the weights' heads regrouped, "
+                  + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in regrouped.items()), flush=True)
     model = parallelize_model(model, mesh, ParallelOptions.from_config(cfg.parallel))
     return model, make_optimizer(model, cfg.optim)

@@ -239,6 +239,13 @@ def test_init_from_weights_starts_a_fresh_run_from_them(tmp_path):
     assert c[0]["loss"] == b[0]["loss"]
     with pytest.raises(ValueError, match=r"holds a different model than this run builds .*embed_dim"):
         train(tiny_cfg(tmp_path / "d", "train.steps=1", f"train.init_from={weights}", "model.embed_dim=32"))
+    # head counts change no parameter's shape: the same weights regrouped into 2 and 1 heads, another function
+    wide = train(tiny_cfg(tmp_path / "e", "train.steps=1", f"train.init_from={weights}", "optim.lr=1e-12",
+                          "model.axial_heads=2", "model.icl_heads=1"))
+    assert wide[0]["loss"] != b[0]["loss"]
+    me = load_file(ckpt.merge(latest_checkpoint(tmp_path / "e"), tmp_path / "e.safetensors"))
+    assert max((ma[k].double() - me[k].double()).abs().max().item() for k in ma) < 1e-9
+    assert ckpt.load_model(tmp_path / "e.safetensors").config.axial_heads == 2
     # a checkpoint in out_dir takes precedence: the restarted run continues a and never reads init_from (a file
     # that does not exist would raise if it did)
     resumed = train(tiny_cfg(tmp_path / "a", "train.steps=3", f"train.init_from={tmp_path / 'missing.safetensors'}"),
