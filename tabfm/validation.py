@@ -25,7 +25,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
 from tabfm.inference_precision import PRECISIONS
-from tabfm.preprocess import _is_missing
+from tabfm.preprocess import _is_missing, unmask
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype values the constraints let through: bfloat16 and float16 reach resolve_weight_dtype, whose message
@@ -107,10 +107,7 @@ def check_class_labels(y: Any) -> np.ndarray:
     """y as a 1-D array of class labels, refused with one clear line when a label is missing (None, NaN, pd.NA,
     NaT), infinite, or of another kind than the rest (strings mixed with numbers or booleans), or when y is
     continuous."""
-    if isinstance(y, np.ma.MaskedArray):  # np.asarray would keep the values under the mask
-        if (masked := np.ma.count_masked(y)) > 0:
-            raise ValueError(f"y is a masked array with {masked} masked labels: drop those rows or give them a class")
-        y = np.ma.getdata(y)
+    y = unmask(y)  # masked labels become missing ones, refused below
     given = np.asarray(y, dtype=object).ravel() if isinstance(y, list | tuple) else None  # numpy would stringify
     y = column_or_1d(y, warn=True)                                                           # ["a", 1] silently
     missing = bad = np.zeros(len(y), bool)

@@ -153,8 +153,9 @@ def test_object_arrays_of_one_number_kind_read_as_numbers(y, expected):
 
 
 def test_masked_labels_are_refused_and_an_empty_mask_is_ignored():
-    with pytest.raises(ValueError, match=r"^y is a masked array with 1 masked labels: drop those rows"):
-        check_class_labels(np.ma.array([0, 1, 0, 1], mask=[0, 1, 0, 0]))  # np.asarray would read the masked 1
+    for masked in (np.ma.array([0, 1, 0, 1], mask=[0, 1, 0, 0]), np.ma.array(["a", "b", "a"], mask=[0, 0, 1])):
+        with pytest.raises(ValueError, match=r"^y holds missing labels \(None/NaN/pd.NA\) in 1 rows: drop those rows"):
+            check_class_labels(masked)  # np.asarray would read the masked label
     np.testing.assert_array_equal(check_class_labels(np.ma.array([0, 1, 1], mask=False)), [0, 1, 1])
 
 
