@@ -34,13 +34,15 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library when it is glibc with mallinfo2 and malloc_trim, else None."""
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc with mallinfo2, malloc_trim and mallopt, else None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
         libc.malloc_trim.restype = ctypes.c_int
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
     return libc
@@ -59,7 +61,7 @@ def held_free_bytes() -> int | None:
     """Resident bytes that are not in use by malloc's callers: the process's resident set minus what malloc has
     handed out (heaps and mmapped blocks). It includes the libraries' code and data, which do not change between
     forwards, so only its growth means anything. None off glibc on Linux."""
-    libc = _libc()
+    libc = glibc()
     resident = resident_bytes()
     if libc is None or resident is None:
         return None
@@ -86,7 +88,7 @@ def release_free_heap(limit: int | None = None) -> bool:
             _baseline = held
         if held <= _baseline + limit:
             return False
-        _libc().malloc_trim(0)
+        glibc().malloc_trim(0)
         _baseline = None
     return True
 

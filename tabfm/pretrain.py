@@ -21,6 +21,7 @@ which puts a run together from parts with one job each:
     tabfm.train_eval         evaluation on real tables every train.eval_every steps
     tabfm.train_log          metrics.jsonl and the progress bar (rank 0)
     tabfm.train_loop         Trainer: the loop over the steps, with hooks called before each step
+    tabfm.train_heap         on a CPU, large freed blocks kept in malloc's heap between steps (main only)
 
 The layout is checked before any process group is created: dp * d0 * d1 must equal WORLD_SIZE and (d0, d1) must
 divide the model's heads and widths; otherwise main exits with status 2 and lists the layouts that fit.
@@ -50,6 +51,7 @@ from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
 from tabfm.parallel.process_group import process_group
 from tabfm.train_checkpoints import CheckpointManager
 from tabfm.train_eval import PeriodicEvaluation
+from tabfm.train_heap import keep_large_blocks_in_heap
 from tabfm.train_log import MetricsLog
 from tabfm.train_loop import NonFiniteLossError, StepHook, Trainer
 from tabfm.train_optim import average_over_replicas, global_grad_norm, lr_at, train_step
@@ -228,7 +230,10 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[StepHook] = ()) -> i
         return _config_error(str(e))
     if args.overwrite and (note := clear_run(Path(cfg.train.out_dir))):
         print(note, file=sys.stderr)
-    with process_group(resolve_device(cfg)):  # torchrun's ranks join it; a single process runs without one
+    device = resolve_device(cfg)
+    if device.type == "cpu":  # this process is tabfm's own: large blocks stay in malloc's heap between steps
+        keep_large_blocks_in_heap()
+    with process_group(device):  # torchrun's ranks join it; a single process runs without one
         try:
             train(cfg, resume=args.resume, hooks=hooks)
         except NonFiniteLossError as e:

@@ -50,7 +50,7 @@ def test_the_baseline_is_read_again_after_a_release(monkeypatch):
     readings = iter([100, 150, 500, 90, 300])
     trims = []
     monkeypatch.setattr(heap_release, "held_free_bytes", lambda: next(readings))
-    monkeypatch.setattr(heap_release, "_libc", lambda: type("C", (), {"malloc_trim": lambda _, pad: trims.append(pad)})())
+    monkeypatch.setattr(heap_release, "glibc", lambda: type("C", (), {"malloc_trim": lambda _, pad: trims.append(pad)})())
     monkeypatch.setattr(heap_release, "_baseline", None)
     assert [heap_release.release_free_heap(200) for _ in range(5)] == [False, False, True, False, True]
     assert trims == [0, 0]  # 500 > 100 + 200; then 90 is the new baseline and 300 > 90 + 200
