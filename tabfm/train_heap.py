@@ -3,10 +3,10 @@
 Why: glibc maps every block above its mmap threshold (at most 32 MiB by default) fresh and unmaps it on free, and
 hands a heap's free top back to the operating system past its trim threshold, so each op of a training step that
 writes a large tensor (activations, their gradients, AdamW's temporaries: tens to hundreds of MiB per op at 8
-tables of 1,000 rows) page-faults all of it in anew. On a 2-core VM, 30 steps of small_wide at 8 tables of up to
-1,024 rows x 64 features spent 2 min 56 s of their 4 min 18 s in the kernel; with blocks of up to
-HEAP_MMAP_THRESHOLD served from the heap and up to HEAP_TRIM_THRESHOLD of free top kept, 22 s
-(`benchmarks/train_heap.py` measures it side by side).
+tables of 1,000 rows) page-faults all of it in anew. On a 2-core VM a step of small_wide at 8 tables of 512 rows x
+64 features took 12.5 s, 4.5 s of it in the kernel; with blocks of up to HEAP_MMAP_THRESHOLD served from the heap
+and up to HEAP_TRIM_THRESHOLD of free top kept, 6.2 s and none, for a higher peak (5.0 GiB instead of 2.7: the
+heap keeps what it freed). `benchmarks/train_heap.py` measures it side by side.
 
 The thresholds belong to the process. `tabfm pretrain` (pretrain.main, one process per rank) owns its process, so it
 sets them; the estimators, which run inside their users' processes, keep forwards under the default threshold
