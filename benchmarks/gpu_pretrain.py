@@ -16,7 +16,9 @@ its row with the reason and the script carries on, so a GPU lease never ends wit
              and torch._dynamo.explain once reports the graph breaks of the forward.
     loader   tables/s of data.loader.make_loader at the same table shape with W workers: the first batch (worker
              start-up) is timed apart, then the steady rate over the next batches
-    e2e      a short real run, loader and model together: the fraction of step time blocked in next(loader)
+    e2e      a short real run, loader and model together: the fraction of step time blocked in next(loader);
+             on CUDA in bf16 twice, with tabfm's attention kernels (flash / memory-efficient) and with cuDNN's
+             allowed, which plans each new shape (a real run's batches all have new ones)
 
     python benchmarks/gpu_pretrain.py                       # on a GPU: tiny/small/base, 16 x 1024 x {32, 64}
     python benchmarks/gpu_pretrain.py --cpu-smoke           # on CPU (the default there): tiny shapes, seconds
@@ -30,6 +32,7 @@ The machine (device name, torch version, CPU count, load average) is printed fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
@@ -37,7 +40,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,21 +353,44 @@ def e2e_run(args: argparse.Namespace, device: torch.device, features: int) -> di
     return {"wait": wait, "total": total, "step_ms": 1e3 * total / args.e2e_steps}
 
 
+@contextlib.contextmanager
+def cudnn_attention_allowed() -> Iterator[None]:
+    """bf16 autocast with PyTorch's own choice of attention kernel, cuDNN's included (which tabfm leaves out:
+    tabfm.precision.BF16_ATTENTION_BACKENDS): the comparison row of the end-to-end section."""
+    from torch.nn.attention import SDPBackend
+
+    import tabfm.precision as precision
+
+    kept = precision.BF16_ATTENTION_BACKENDS
+    precision.BF16_ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *kept]
+    try:
+        yield
+    finally:
+        precision.BF16_ATTENTION_BACKENDS = kept
+
+
 def e2e_section(args: argparse.Namespace, device: torch.device) -> None:
     say(f"\n## end to end ({args.e2e_preset}, {args.e2e_precision}, {args.e2e_workers} loader workers, "
         f"{args.e2e_steps} steps after one untimed)\n")
-    say("| tables x rows x features | step ms | waiting for batches | tables/s |")
-    say("|---|---|---|---|")
+    say("| tables x rows x features | attention kernels | step ms | waiting for batches | tables/s |")
+    say("|---|---|---|---|---|")
+    settings = [("flash / efficient (tabfm)", contextlib.nullcontext)]
+    if device.type == "cuda" and args.e2e_precision == "bf16":  # every batch has new shapes: cuDNN plans each
+        settings.append(("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed))
+    elif device.type != "cuda":
+        settings = [("CPU kernels", contextlib.nullcontext)]
     for features in args.features:
         shape = f"{args.batch} x {args.rows} x {features}"
-        try:
-            r = e2e_run(args, device, features)
-        except Exception as e:  # noqa: BLE001
-            free(device)
-            say(f"| {shape} | failed: {reason(e)} | | |")
-            continue
-        say(f"| {shape} | {r['step_ms']:.1f} | {100 * r['wait'] / r['total']:.1f}% | "
-            f"{args.batch * args.e2e_steps / r['total']:.3g} |")
+        for label, context in settings:
+            try:
+                with context():
+                    r = e2e_run(args, device, features)
+            except Exception as e:  # noqa: BLE001
+                free(device)
+                say(f"| {shape} | {label} | failed: {reason(e)} | | |")
+                continue
+            say(f"| {shape} | {label} | {r['step_ms']:.1f} | {100 * r['wait'] / r['total']:.1f}% | "
+                f"{args.batch * args.e2e_steps / r['total']:.3g} |")
 
 
 # ---------------------------------------------------------------------------------------------------------

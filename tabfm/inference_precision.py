@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 
+from tabfm.precision import autocast
+
 PRECISIONS = ("auto", "fp32", "bf16")
 """The estimators' `precision` values."""
 
@@ -59,7 +61,6 @@ def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) 
 
 
 def inference_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The context a model forward runs in: bfloat16 autocast for "bf16", nothing for "fp32"."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """The context a model forward runs in: pretraining's (tabfm.precision.autocast: bfloat16 autocast for
+    "bf16", with cuDNN's per-shape attention plans left out on CUDA), nothing for "fp32"."""
+    return autocast(precision, device)

@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from tabfm.model import build_model
 from tabfm.parallel_model import parallelize_model
 from tabfm.parallel import comm
 from tabfm.parallel.layers import ParallelLayerNorm
-from tabfm.precision import make_optimizer, matmul_precision, param_groups
+from tabfm.inference_precision import inference_autocast
+from tabfm.precision import autocast, make_optimizer, matmul_precision, param_groups
 from tabfm.pretrain import lr_at, main, train, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +85,29 @@ def test_bf16_on_one_process_keeps_float32_master_weights(fp32_reference):
     _assert_float32_master(run, len(list(build_model("tiny").parameters())))
     err = _rel_err(run["losses"], fp32_reference["losses"])
     assert 0 < err <= BF16_RTOL, (run["losses"], fp32_reference["losses"])  # bfloat16 did run, and closely
+
+
+def _sdpa_flags() -> dict[str, bool]:
+    b = torch.backends.cuda
+    return {"cudnn": b.cudnn_sdp_enabled(), "flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
+            "math": b.math_sdp_enabled()}
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # autocast("cuda") on a CPU-only build
+@pytest.mark.parametrize("context", [autocast, inference_autocast])
+def test_bf16_on_cuda_keeps_attention_off_cudnn_and_restores_the_flags(context):
+    """cuDNN attention plans each new shape; under bf16 on CUDA only flash / efficient / math may run, and the
+    process's own choice comes back afterwards. fp32, and bf16 on CPU, leave the backends alone."""
+    before = _sdpa_flags()
+    assert before["cudnn"], "PyTorch's default allows cuDNN attention: nothing to check otherwise"
+    with context("bf16", torch.device("cuda")):
+        assert _sdpa_flags() == {"cudnn": False, "flash": True, "efficient": True, "math": True}
+    assert _sdpa_flags() == before
+    for precision, device in (("bf16", "cpu"), ("fp32", "cuda"), ("fp32", "cpu")):
+        with context(precision, torch.device(device)):
+            assert _sdpa_flags() == before
+    with context("bf16", torch.device("cpu")):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
 
 
 def test_tf32_on_cpu_is_fp32(fp32_reference):
@@ -274,6 +299,12 @@ def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
     assert len(gflops) == 1 and gflops.pop() > 0  # one model, one batch: the same FLOPs at every precision
     assert "| 2 x 32 x 4 | 0 |" in out  # the loader row
     e2e = [line for line in out.splitlines() if line.startswith("| 2 x 32 x 4 |") and "%" in line]
-    assert len(e2e) == 1 and "failed" not in out
+    assert len(e2e) == 1 and "| CPU kernels |" in e2e[0] and "failed" not in out
     assert bench.peak_tflops("NVIDIA H200", "bf16") == 989.5 and bench.peak_tflops("NVIDIA H100 PCIe", "tf32") == 378
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5 and bench.peak_tflops(None, "bf16") is None
+    with warnings.catch_warnings():  # autocast("cuda") on a CPU-only build warns and does nothing else
+        warnings.filterwarnings("ignore", "CUDA is not available")
+        with bench.cudnn_attention_allowed(), autocast("bf16", torch.device("cuda")):  # the e2e comparison row
+            assert _sdpa_flags()["cudnn"]
+        with autocast("bf16", torch.device("cuda")):  # and tabfm's own setting is back afterwards
+            assert not _sdpa_flags()["cudnn"]
