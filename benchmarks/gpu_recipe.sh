@@ -3,7 +3,9 @@
 #
 #   OUT=$OUT BUDGET_S=540 bash benchmarks/gpu_recipe.sh        # device run: carry [".whl"], timeout_s 590
 #
-#   1. the throughput table: benchmarks/gpu_pretrain.py $THROUGHPUT_ARGS, cut at THROUGHPUT_S (0 skips it);
+#   1. the throughput check: benchmarks/gpu_pretrain.py $THROUGHPUT_ARGS, cut at THROUGHPUT_S (0 skips it); by
+#      default the small model's bf16 step on a fixed batch and a real run's step with and without cuDNN's
+#      attention (the full table of README, about 140 s: --presets small base --features 64 --loader-seconds 8);
 #      then the inference table: benchmarks/inference.py --gpu-table (fit + predict at 1k x 1k x 20,
 #      10k x 10k x 100, 50k x 1k x 100, fp32 and bf16 autocast), cut at INFERENCE_S (0, or a DEVICE other than
 #      cuda, skips it), rows written to $OUT/inference_gpu.txt as they come;
@@ -22,6 +24,10 @@
 # BUDGET_S counts from this script's start (the machine's start-up comes on top). Then, on the developer's
 # machine: python benchmarks/gpu_state.py adopt FILES --apply (README, "Default checkpoint").
 # polars is not installed on the GPU machine: wheels in .whl/ (git-ignored, carried) are installed for the run.
+# The device tool sends at most 64 MiB (tracked files, about 18 MB with the state, plus what is carried): polars
+# 2.x's runtime wheel alone is 54 MB and overflows it; 1.36.1's two wheels are 45 MB. Fetch them once with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl polars==1.36.1 polars-runtime-32==1.36.1
 # A CPU dry run (tests/test_gpu_recipe.py): DEVICE=cpu THROUGHPUT_S=0 EVAL_S=0 SET="model=tiny ..." STATE_DIR=...
 set -u
 START=$(date +%s)
@@ -30,8 +36,8 @@ OUT=${OUT:-$REPO/out/recipe}
 BUDGET_S=${BUDGET_S:-540}
 WORK=${WORK:-/tmp/tabfm-recipe}
 DEVICE=${DEVICE:-cuda}
-THROUGHPUT_S=${THROUGHPUT_S:-150}
-THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small base --features 64 --loader-seconds 8 --e2e-preset small --e2e-steps 15"}
+THROUGHPUT_S=${THROUGHPUT_S:-75}
+THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small --features 64 --precisions bf16 bf16+compile --sections model e2e --e2e-steps 15"}
 INFERENCE_S=${INFERENCE_S:-90}      # the estimators' GPU table (benchmarks/inference.py --gpu-table); 0 skips it
 EVAL_S=${EVAL_S:-120}
 EVAL_TABLES=${EVAL_TABLES:-}        # accuracy.py --tables for both sides (default: all 56)

@@ -228,7 +228,9 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         print(f"scores: candidate {cand_csv}, default {default_csv}")
         better, report = decide(cand_csv, default_csv)
         leg = new["legs"][-1]
-        leg["accuracy"] = {"command": "benchmarks/accuracy.py " + " ".join(ACCURACY_ARGS),
+        command = (f"given: {cand_csv} against {default_csv}" if args.candidate_csv
+                   else "benchmarks/accuracy.py " + " ".join(ACCURACY_ARGS))
+        leg["accuracy"] = {"command": command,
                            "candidate": mean_scores(read_scores(cand_csv)),
                            "default": mean_scores(read_scores(default_csv))}
     leg["default_replaced"] = better
