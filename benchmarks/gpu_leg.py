@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -268,6 +269,18 @@ def _last_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"step": evals[-1]["step"], **{k: v for k, v in evals[-1]["eval"].items() if k.startswith("mean")}}
 
 
+def _step_timing(rows: list[dict[str, Any]], from_step: int) -> dict[str, float] | None:
+    """This leg's logged steps (one in train.log_every): the median step's seconds and the share of step time
+    spent waiting for the loader (under 10% is the recipe's target)."""
+    steps = [r for r in rows if "seconds" in r and r["step"] > from_step]
+    if not steps:
+        return None
+    total = sum(r["seconds"] for r in steps)
+    waited = sum(r.get("data_seconds", 0.0) for r in steps)
+    return {"logged_steps": len(steps), "median_step_s": round(statistics.median(r["seconds"] for r in steps), 4),
+            "loader_wait_share": round(waited / total, 4) if total > 0 else 0.0}
+
+
 def device_name(device: str) -> str:
     """The GPU's name, or the CPU's kind and cores: what the leg's record says it ran on."""
     import torch
@@ -303,7 +316,7 @@ def save(leg: Leg, final: bool) -> dict[str, Any]:
         "train_seconds": round(sum(s["seconds"] for s in segments), 1),
         "lease_seconds": round(time.time() - leg.started, 1),
         "segments": segments, "stopped": leg.stopped if final else "running",
-        "eval": _last_eval(rows),
+        "eval": _last_eval(rows), "step_timing": _step_timing(rows, leg.from_step),
         "default_sha256": sha256(weights) if weights.is_file() else None,
         "accuracy": None, "default_replaced": None,
     }

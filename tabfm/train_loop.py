@@ -64,14 +64,20 @@ class Trainer:
                              num_steps=total - start, pin_memory=self.device.type == "cuda")
         progress = Progress(total, start, enabled=self.rank0 and self.cfg.train.progress)
         records: list[dict[str, Any]] = []
+        batches = iter(loader)
         tic = time.perf_counter()
         self.model.train()
         try:
-            for step, batch in zip(range(start, total), loader, strict=False):
+            for step in range(start, total):
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                waited = time.perf_counter() - tic  # blocked on the loader: the share a GPU leg must keep small
                 for hook in self.hooks:
                     hook(step)
                 record = self.step(step, batch)
                 record["seconds"] = round(time.perf_counter() - tic, 4)
+                record["data_seconds"] = round(waited, 4)
                 self._check_finite(record)
                 records.append(record)
                 tic = time.perf_counter()

@@ -188,6 +188,8 @@ def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_pa
     assert (leg["from_step"], leg["to_step"], leg["stopped"]) == (0, 4, "leg_steps")
     assert [(s["config"], s["from"], s["to"]) for s in leg["segments"]] == [("configs/pretrain/gpu.yaml", 0, 4)]
     assert ckpt.load_merged(tmp_path / "out1/model.safetensors")[1].keys() == load_file(init).keys()
+    timing = leg["step_timing"]  # from the logged steps 1-4: the step time and the loader's share of it
+    assert timing["logged_steps"] == 4 and timing["median_step_s"] > 0 and 0 <= timing["loader_wait_share"] <= 1
 
     better = _accuracy_csv(tmp_path / "better.csv", 0.95, 0.2, 0.6)
     worse = _accuracy_csv(tmp_path / "worse.csv", 0.90, 0.3, 0.5)
@@ -203,6 +205,7 @@ def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_pa
     assert second["legs"][0] == kept["legs"][0]  # the committed history, carried on
     leg2 = second["legs"][1]
     assert (second["step"], second["tables_seen"], leg2["from_step"], leg2["to_step"]) == (8, 16, 4, 8)
+    assert leg2["step_timing"]["logged_steps"] == 4  # its own steps 5-8, not the first leg's
     assert [(s["config"], s["from"], s["to"]) for s in leg2["segments"]] == [("configs/pretrain/gpu_stage2.yaml", 4,
                                                                               8)]
     adopt[1] = str(tmp_path / "out2")

@@ -104,6 +104,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     lines, evals = read_metrics(tmp_path / "a")
     assert [r["loss"] for r in lines] == [r["loss"] for r in full]
+    assert all(0 <= r["data_seconds"] <= r["seconds"] for r in lines)  # the loader's share of each step
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
         assert set(e["eval"]["tables"]) == {"skl_iris", "mass_crabs_species"}
