@@ -144,6 +144,11 @@ class TrainConfig:
     """Classification tables of benchmarks/datasets to evaluate on (fold 0 = test rows, the rest = train rows)."""
     eval_max_train_rows: int = 512
     """Train (context) rows of an evaluation table are subsampled, deterministically, to at most this many."""
+    compile: str | None = None
+    """torch.compile the model's forward with this backend (inductor on a GPU; aot_eager traces without generating
+    code), or None for eager. The loss's test-row selection stays eager around it (tests/test_compile.py). Each
+    new batch shape first recompiles, then PyTorch marks the changing sizes dynamic. One-device meshes only
+    (d0 = d1 = 1, any dp): the tensor-parallel layers' collectives are not traced."""
     init_from: str | None = None
     """Start from these weights (a merged .safetensors file or a checkpoint folder, e.g. the shipped
     tabfm/weights/tabfm-small.safetensors) with a fresh optimizer and schedule: fine-tuning, or a new pretraining
@@ -165,6 +170,13 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision} needs train.dtype=float32 (float64 runs use fp32)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}; use auto, cpu or cuda")
+        if self.compile is not None:
+            import torch._dynamo  # only when asked: the import takes a moment
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile not in backends:
+                raise ValueError(f"train.compile={self.compile!r} is not a torch.compile backend; use inductor (or "
+                                 "aot_eager, eager), or null for no compile")
 
     @property
     def compute_dtype(self) -> str:
@@ -187,6 +199,12 @@ class RunConfig:
     """Process layout."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training loop."""
+
+    def __post_init__(self) -> None:
+        tensor_parallel = self.parallel.layout == "auto" or self.parallel.d0 * self.parallel.d1 > 1
+        if self.train.compile is not None and tensor_parallel:
+            raise ValueError(f"train.compile={self.train.compile} needs parallel.d0 = d1 = 1 and layout manual (the "
+                             "tensor-parallel layers' collectives are not traced); drop train.compile or the mesh")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain YAML/JSON-able data (what checkpoints record as the run's config)."""

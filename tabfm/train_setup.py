@@ -66,4 +66,6 @@ def build_model_and_optimizer(cfg: RunConfig, mesh: TPMesh, device: torch.device
             print("init_from: the weights' heads regrouped, "
                   + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in regrouped.items()), flush=True)
     model = parallelize_model(model, mesh, ParallelOptions.from_config(cfg.parallel))
+    if cfg.train.compile is not None:  # in place: the parameter names (checkpoints, optimizer) stay the same
+        model.compile(backend=cfg.train.compile)
     return model, make_optimizer(model, cfg.optim)
