@@ -17,8 +17,9 @@ its row with the reason and the script carries on, so a GPU lease never ends wit
     loader   tables/s of data.loader.make_loader at the same table shape with W workers: the first batch (worker
              start-up) is timed apart, then the steady rate over the next batches
     e2e      a short real run, loader and model together: the fraction of step time blocked in next(loader);
-             on CUDA in bf16 twice, with tabfm's attention kernels (flash / memory-efficient) and with cuDNN's
-             allowed, which plans each new shape (a real run's batches all have new ones)
+             on CUDA in bf16 three times: with tabfm's attention kernels (flash / memory-efficient), with cuDNN's
+             allowed (it plans each new shape, and a real run's batches all have new ones), and compiled as
+             train.compile does (its recompiles for new shapes counted in the mean step, not the median)
 
     python benchmarks/gpu_pretrain.py                       # on a GPU: tiny/small/base, 16 x 1024 x {32, 64}
     python benchmarks/gpu_pretrain.py --cpu-smoke           # on CPU (the default there): tiny shapes, seconds
@@ -326,18 +327,25 @@ def loader_section(args: argparse.Namespace) -> None:
             say(f"| {shape} | {workers} | {r['first_s']:.2f} | {r['tables_per_s']:.3g} | {r['steps']} |")
 
 
-def e2e_run(args: argparse.Namespace, device: torch.device, features: int) -> dict[str, float]:
-    """Steps fed by the loader: time blocked in next(loader) and whole-step time, after one untimed step."""
+def e2e_run(args: argparse.Namespace, device: torch.device, features: int, compile: bool = False) -> dict[str, float]:
+    """Steps fed by the loader: time blocked in next(loader) and whole-step time, after one untimed step. With
+    `compile`, the forward is compiled (--compile-backend) as train.compile does: the timed steps then include
+    the recompiles that new batch shapes bring (the median step leaves them out)."""
     from tabfm.data.loader import make_loader
     from tabfm.precision import matmul_precision
     from tabfm.pretrain import train_step
 
     model, optimizer, mesh, ocfg = build(args.e2e_preset, device)
+    if compile:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        model.compile(backend=args.compile_backend)
     steps = args.e2e_steps + 1
     loader = make_loader(data_config(args.batch, args.rows, features, args.e2e_workers), num_steps=steps,
                          pin_memory=device.type == "cuda")
     it = iter(loader)
-    wait = total = 0.0
+    wait, times = 0.0, []
     with matmul_precision(args.e2e_precision, device):
         for i in range(steps):
             tic = time.perf_counter()
@@ -345,12 +353,16 @@ def e2e_run(args: argparse.Namespace, device: torch.device, features: int) -> di
             got = time.perf_counter()
             train_step(model, optimizer, batch, mesh, ocfg.lr * 0.1, ocfg, args.e2e_precision)
             sync(device)
-            if i:  # the first step waits for the workers to start (and compiles nothing: eager)
+            if i:  # the first step waits for the workers to start (and compiles the first graph)
                 wait += got - tic
-                total += time.perf_counter() - tic
+                times.append(time.perf_counter() - tic)
     del it, loader, model, optimizer
+    if compile:
+        torch._dynamo.reset()
     free(device)
-    return {"wait": wait, "total": total, "step_ms": 1e3 * total / args.e2e_steps}
+    total = sum(times)
+    return {"wait": wait, "total": total, "step_ms": 1e3 * total / args.e2e_steps,
+            "median_ms": 1e3 * statistics.median(times)}
 
 
 @contextlib.contextmanager
@@ -372,25 +384,27 @@ def cudnn_attention_allowed() -> Iterator[None]:
 def e2e_section(args: argparse.Namespace, device: torch.device) -> None:
     say(f"\n## end to end ({args.e2e_preset}, {args.e2e_precision}, {args.e2e_workers} loader workers, "
         f"{args.e2e_steps} steps after one untimed)\n")
-    say("| tables x rows x features | attention kernels | step ms | waiting for batches | tables/s |")
-    say("|---|---|---|---|---|")
-    settings = [("flash / efficient (tabfm)", contextlib.nullcontext)]
+    say("| tables x rows x features | attention kernels | step ms | median step ms | waiting for batches "
+        "| tables/s |")
+    say("|---|---|---|---|---|---|")
+    settings = [("flash / efficient (tabfm)", contextlib.nullcontext, False)]
     if device.type == "cuda" and args.e2e_precision == "bf16":  # every batch has new shapes: cuDNN plans each
-        settings.append(("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed))
+        settings += [("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed, False),
+                     (f"flash / efficient + compile ({args.compile_backend})", contextlib.nullcontext, True)]
     elif device.type != "cuda":
-        settings = [("CPU kernels", contextlib.nullcontext)]
+        settings = [("CPU kernels", contextlib.nullcontext, False)]
     for features in args.features:
         shape = f"{args.batch} x {args.rows} x {features}"
-        for label, context in settings:
+        for label, context, compile in settings:
             try:
                 with context():
-                    r = e2e_run(args, device, features)
+                    r = e2e_run(args, device, features, compile)
             except Exception as e:  # noqa: BLE001
                 free(device)
-                say(f"| {shape} | {label} | failed: {reason(e)} | | |")
+                say(f"| {shape} | {label} | failed: {reason(e)} | | | |")
                 continue
-            say(f"| {shape} | {label} | {r['step_ms']:.1f} | {100 * r['wait'] / r['total']:.1f}% | "
-                f"{args.batch * args.e2e_steps / r['total']:.3g} |")
+            say(f"| {shape} | {label} | {r['step_ms']:.1f} | {r['median_ms']:.1f} | "
+                f"{100 * r['wait'] / r['total']:.1f}% | {args.batch * args.e2e_steps / r['total']:.3g} |")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 #
 #   1. the throughput check: benchmarks/gpu_pretrain.py $THROUGHPUT_ARGS, cut at THROUGHPUT_S (0 skips it); by
 #      default the small model's bf16 step on a fixed batch and a real run's step with and without cuDNN's
-#      attention (the full table of README, about 140 s: --presets small base --features 64 --loader-seconds 8);
+#      attention and compiled (train.compile; the full table of README, about 140 s: --presets small base
+#      --features 64 --loader-seconds 8);
 #      then the inference table: benchmarks/inference.py --gpu-table (fit + predict at 1k x 1k x 20,
 #      10k x 10k x 100, 50k x 1k x 100, fp32 and bf16 autocast), cut at INFERENCE_S (0, or a DEVICE other than
 #      cuda, skips it), rows written to $OUT/inference_gpu.txt as they come;
@@ -36,7 +37,7 @@ OUT=${OUT:-$REPO/out/recipe}
 BUDGET_S=${BUDGET_S:-540}
 WORK=${WORK:-/tmp/tabfm-recipe}
 DEVICE=${DEVICE:-cuda}
-THROUGHPUT_S=${THROUGHPUT_S:-75}
+THROUGHPUT_S=${THROUGHPUT_S:-120}
 THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small --features 64 --precisions bf16 bf16+compile --sections model e2e --e2e-steps 15"}
 INFERENCE_S=${INFERENCE_S:-90}      # the estimators' GPU table (benchmarks/inference.py --gpu-table); 0 skips it
 EVAL_S=${EVAL_S:-120}

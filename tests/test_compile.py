@@ -81,8 +81,8 @@ def _run(out_dir, *extra):
     from tabfm.pretrain import train
 
     cfg = load_config(ROOT / "configs" / "pretrain" / "tiny.yaml",
-                      [f"train.out_dir={out_dir}", "train.progress=false", "data.batch_size=2", "data.table.max_rows=40",
-                       "train.steps=3", "train.dtype=float64", *extra])
+                      [f"train.out_dir={out_dir}", "train.progress=false", "data.batch_size=2",
+                       "data.table.max_rows=40", "train.steps=3", "train.dtype=float64", *extra])
     return train(cfg)
 
 

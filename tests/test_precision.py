@@ -302,6 +302,10 @@ def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
     assert len(e2e) == 1 and "| CPU kernels |" in e2e[0] and "failed" not in out
     assert bench.peak_tflops("NVIDIA H200", "bf16") == 989.5 and bench.peak_tflops("NVIDIA H100 PCIe", "tf32") == 378
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5 and bench.peak_tflops(None, "bf16") is None
+    args = bench.build_parser().parse_args(["--cpu-smoke", "--compile-backend", "eager", "--loader-workers", "0"])
+    bench.resolve(args)
+    r = bench.e2e_run(args, torch.device("cpu"), 4, compile=True)  # the GPU's compiled end-to-end row
+    assert r["median_ms"] > 0 and 0 <= r["wait"] <= r["total"]
     with warnings.catch_warnings():  # autocast("cuda") on a CPU-only build warns and does nothing else
         warnings.filterwarnings("ignore", "CUDA is not available")
         with bench.cudnn_attention_allowed(), autocast("bf16", torch.device("cuda")):  # the e2e comparison row
