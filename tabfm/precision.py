@@ -43,12 +43,18 @@ def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractC
     BF16_ATTENTION_BACKENDS); nothing otherwise. Backward runs outside it, as PyTorch recommends."""
     if precision != "bf16":
         return contextlib.nullcontext()
-    device_type = torch.device(device).type
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16))
-    if device_type == "cuda":
-        stack.enter_context(sdpa_kernel(BF16_ATTENTION_BACKENDS))
-    return stack
+    return _bf16_autocast(torch.device(device).type)
+
+
+@contextlib.contextmanager
+def _bf16_autocast(device_type: str) -> Iterator[None]:
+    """bf16's context, entered by the `with` statement (not when it is made)."""
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        if device_type != "cuda":
+            yield
+            return
+        with sdpa_kernel(BF16_ATTENTION_BACKENDS):
+            yield
 
 
 @contextlib.contextmanager

@@ -106,8 +106,11 @@ def test_bf16_on_cuda_keeps_attention_off_cudnn_and_restores_the_flags(context):
     for precision, device in (("bf16", "cpu"), ("fp32", "cuda"), ("fp32", "cpu")):
         with context(precision, torch.device(device)):
             assert _sdpa_flags() == before
-    with context("bf16", torch.device("cpu")):
+    made = context("bf16", torch.device("cpu"))
+    assert not torch.is_autocast_enabled("cpu")  # entered by `with`, not when made
+    with made:
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_tf32_on_cpu_is_fp32(fp32_reference):
