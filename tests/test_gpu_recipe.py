@@ -213,6 +213,17 @@ def test_recipe_script_dry_run_leaves_a_state_that_the_next_lease_resumes(tmp_pa
     assert weights.read_bytes() == (tmp_path / "out2/model.safetensors").read_bytes()  # better: replaced
     assert gpu_state.committed(tmp_path / "state")[0]["step"] == 8
 
+    # Two calls in one lease (README): the first call's files copied over the state, unadopted, a second call
+    # resumes them, and adopting the second call's files keeps both legs.
+    third = _run_leg(tmp_path, tmp_path / "out3", init, monkeypatch)
+    for name in ("state.safetensors", "state.json"):
+        shutil.copy(tmp_path / "out3" / name, tmp_path / "state" / name)
+    fourth = _run_leg(tmp_path, tmp_path / "out4", init, monkeypatch)
+    assert fourth["legs"][:3] == third["legs"] and (fourth["step"], len(fourth["legs"])) == (16, 4)
+    adopt[1] = str(tmp_path / "out4")
+    assert gpu_state.main([*adopt, "--candidate-csv", str(worse), "--default-csv", str(better), "--apply"]) == 0
+    assert gpu_state.committed(tmp_path / "state")[0]["step"] == 16
+
 
 def _alive(pid: int) -> bool:
     """Whether a process runs (a zombie nobody reaped counts as ended)."""
