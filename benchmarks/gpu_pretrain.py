@@ -387,12 +387,11 @@ def e2e_section(args: argparse.Namespace, device: torch.device) -> None:
     say("| tables x rows x features | attention kernels | step ms | median step ms | waiting for batches "
         "| tables/s |")
     say("|---|---|---|---|---|---|")
-    settings = [("flash / efficient (tabfm)", contextlib.nullcontext, False)]
+    settings = [("flash / efficient (tabfm)" if device.type == "cuda" else "CPU kernels", contextlib.nullcontext,
+                 False)]
     if device.type == "cuda" and args.e2e_precision == "bf16":  # every batch has new shapes: cuDNN plans each
         settings += [("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed, False),
                      (f"flash / efficient + compile ({args.compile_backend})", contextlib.nullcontext, True)]
-    elif device.type != "cuda":
-        settings = [("CPU kernels", contextlib.nullcontext, False)]
     for features in args.features:
         shape = f"{args.batch} x {args.rows} x {features}"
         for label, context, compile in settings:

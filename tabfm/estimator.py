@@ -46,10 +46,11 @@ from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # 
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
-from tabfm.inference_precision import inference_autocast, resolve_precision, resolve_weight_dtype
+from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
 from tabfm.linear_base import LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
+from tabfm.precision import autocast
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
@@ -290,9 +291,9 @@ class _TabFMBase(BaseEstimator):
         """Hook: what a subclass reads from freshly encoded contexts."""
 
     def _autocast(self):
-        """The context model forwards run in: bf16 autocast with precision_ "bf16" (tabfm.inference_precision);
-        an estimator pickled before precision existed was fitted in fp32."""
-        return inference_autocast(getattr(self, "precision_", "fp32"), self.device_)
+        """The context model forwards run in: pretraining's (tabfm.precision.autocast) at precision_; an estimator
+        pickled before precision existed was fitted in fp32."""
+        return autocast(getattr(self, "precision_", "fp32"), self.device_)
 
     # -- predict -----------------------------------------------------------------------------------------
 

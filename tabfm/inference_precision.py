@@ -3,7 +3,7 @@
     precision  "fp32"  the model computes in its weights' dtype (float32, or float64 with dtype="float64")
                "bf16"  torch.autocast(device, bfloat16) around each context encoding and each predict forward:
                        matmuls and attention (PyTorch's fused scaled_dot_product_attention kernels) run in
-                       bfloat16, the weights stay float32 (tabfm.precision's bf16, as in pretraining); the cached
+                       bfloat16, the weights stay float32 (tabfm.precision.autocast, as in pretraining); the cached
                        keys/values are kept as autocast makes them, bfloat16, half float32's memory
                "auto"  bf16 on CUDA, fp32 elsewhere: on CPU fp32 keeps predictions exact where bf16 would cost
                        accuracy for a speed-up that depends on the CPU's bfloat16 support
@@ -17,11 +17,7 @@ precision="bf16".
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-from tabfm.precision import autocast
 
 PRECISIONS = ("auto", "fp32", "bf16")
 """The estimators' `precision` values."""
@@ -59,8 +55,3 @@ def resolve_precision(precision: str, dtype: torch.dtype, device: torch.device) 
                          f"dtype={str(dtype).removeprefix('torch.')!r}; use precision='fp32' for float64")
     return precision
 
-
-def inference_autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The context a model forward runs in: pretraining's (tabfm.precision.autocast: bfloat16 autocast for
-    "bf16", with cuDNN's per-shape attention plans left out on CUDA), nothing for "fp32"."""
-    return autocast(precision, device)

@@ -27,11 +27,11 @@ from torch import nn
 from tabfm import checkpoint as ckpt
 from tabfm.config import load_config
 from tabfm.data.loader import make_loader
+from tabfm.estimator import TabFMClassifier
 from tabfm.model import build_model
 from tabfm.parallel_model import parallelize_model
 from tabfm.parallel import comm
 from tabfm.parallel.layers import ParallelLayerNorm
-from tabfm.inference_precision import inference_autocast
 from tabfm.precision import autocast, make_optimizer, matmul_precision, param_groups
 from tabfm.pretrain import lr_at, main, train, train_step
 
@@ -93,8 +93,15 @@ def _sdpa_flags() -> dict[str, bool]:
             "math": b.math_sdp_enabled()}
 
 
+def _estimator_autocast(precision: str, device: torch.device):
+    """The context a fitted estimator's forwards run in (its precision_ and device_ as fit resolves them)."""
+    est = TabFMClassifier()
+    est.precision_, est.device_ = precision, device
+    return est._autocast()
+
+
 @pytest.mark.filterwarnings("ignore:CUDA is not available")  # autocast("cuda") on a CPU-only build
-@pytest.mark.parametrize("context", [autocast, inference_autocast])
+@pytest.mark.parametrize("context", [autocast, _estimator_autocast])
 def test_bf16_on_cuda_keeps_attention_off_cudnn_and_restores_the_flags(context):
     """cuDNN attention plans each new shape; under bf16 on CUDA only flash / efficient / math may run, and the
     process's own choice comes back afterwards. fp32, and bf16 on CPU, leave the backends alone."""
