@@ -187,7 +187,7 @@ class _TabFMBase(BaseEstimator):
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
             self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
-                                            self.local_context_rows, rng, relevance)
+                                            self.local_context_rows, rng, relevance, self.device_)
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
         self.local_ = None
@@ -328,7 +328,7 @@ class _TabFMBase(BaseEstimator):
         or with local contexts against the context each member routes it to (tabfm.local_context); the forwards
         spread over the table threads."""
         n = len(cells.values)
-        route = None if self.local_ is None else self.local_.route(cells)  # [M, n]
+        route = None if self.local_ is None else self.local_.route(cells, self.device_)  # [M, n]
         units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
         scaled = self._scaled(cells, np.unique(units_of))
         sizes = self._forward_sizes()

@@ -142,10 +142,12 @@ class LocalContexts:
 
     @classmethod
     def fit(cls, cells: Cells, targets: np.ndarray, n_members: int, rows: int,
-            rng: np.random.Generator, relevance: np.ndarray | None = None) -> LocalContexts:
+            rng: np.random.Generator, relevance: np.ndarray | None = None,
+            device: torch.device | str = "cpu") -> LocalContexts:
         """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
         `rows` of them) and their targets [n, T]; relevance: column_relevance(cells, targets) when the caller has
-        it already (computed here otherwise)."""
+        it already (computed here otherwise). The distances and the anchors' k-means run on `device` (the
+        estimator's: on a GPU they were most of a 50,000-row fit when they ran on its CPU)."""
         raw = _raw_space(cells)
         relevance = column_relevance(cells, targets) if relevance is None else relevance
         relevance = relevance / relevance.max() if relevance.max() > 0 else np.ones_like(relevance)
@@ -161,7 +163,7 @@ class LocalContexts:
         state = cls(peak, weight, center, scale, np.empty((0, unit.shape[1]), np.float32), np.empty((0, rows), np.int64),
                     np.empty(0, np.int64), np.empty((n_members, 0), np.int64))
         state.points = state.space(cells)
-        points = torch.from_numpy(state.points)
+        points = torch.from_numpy(state.points).to(device)
         n = len(points)
         all_rows, all_members, homes = [], [], []
         for m in range(n_members):
@@ -180,12 +182,13 @@ class LocalContexts:
         z = (_raw_space(cells) / self.peak - self.center) / self.scale
         return (np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0) * self.weight).astype(np.float32)
 
-    def route(self, cells: Cells) -> np.ndarray:
-        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from."""
-        points = torch.from_numpy(self.points)
+    def route(self, cells: Cells, device: torch.device | str = "cpu") -> np.ndarray:
+        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from; the nearest
+        train rows are searched on `device`."""
+        points = torch.from_numpy(self.points).to(device)
         k = min(ROUTE_NEIGHBOURS, len(points))
-        _, near = _nearest(torch.from_numpy(self.space(cells)), points, k)
-        near = near.numpy()                                                     # [n, k], nearest first
+        _, near = _nearest(torch.from_numpy(self.space(cells)).to(device), points, k)
+        near = near.cpu().numpy()                                               # [n, k], nearest first
         weight = 1.0 + 1e-3 * (k - np.arange(k))                               # ties go to the nearer rows' home
         out = np.empty((len(self.home), len(near)), np.int64)
         for m, home in enumerate(self.home):
@@ -200,15 +203,43 @@ class LocalContexts:
 def _anchors(points: torch.Tensor, rows: int, rng: np.random.Generator) -> torch.Tensor:
     """[A, D] anchors, A = ceil(OVERLAP x n / rows): the centres of a short k-means over (a sample of) the train
     rows, so that each anchor's cell of nearest rows holds about n / A of them."""
-    from sklearn.cluster import KMeans
-
     n = len(points)
-    pool = points.numpy().astype(np.float64)
+    pool = points
     if n > ANCHOR_SAMPLE:
-        pool = pool[np.sort(rng.choice(n, ANCHOR_SAMPLE, replace=False))]
-    count = min(math.ceil(OVERLAP * n / rows), len(np.unique(pool, axis=0)))  # no two anchors on one point
-    kmeans = KMeans(count, n_init=1, max_iter=KMEANS_ITERATIONS, random_state=int(rng.integers(2**31 - 1)))
-    return torch.from_numpy(kmeans.fit(pool).cluster_centers_.astype(np.float32))
+        pool = points[torch.from_numpy(np.sort(rng.choice(n, ANCHOR_SAMPLE, replace=False))).to(points.device)]
+    distinct = len(torch.unique(pool, dim=0))
+    return _kmeans(pool, min(math.ceil(OVERLAP * n / rows), distinct), rng)  # no two anchors on one point
+
+
+def _kmeans(points: torch.Tensor, count: int, rng: np.random.Generator) -> torch.Tensor:
+    """[count, D] centres of KMEANS_ITERATIONS Lloyd iterations from a k-means++ start, on points' device.
+
+    Hand-written rather than sklearn's KMeans, which runs on the CPU only and whose greedy k-means++ scores
+    2 + log(count) candidates per centre: on a 50,000-row table its 391 centres per member took most of a GPU
+    fit's time. The draws come from `rng` (numpy), so the anchors do not depend on the device's generator.
+    Needs count distinct points (the caller's), so every draw has a point at a positive distance."""
+    norms = points.square().sum(1)
+
+    def to(i: int) -> torch.Tensor:
+        return (norms + norms[i] - 2 * points @ points[i]).clamp_min_(0)
+
+    chosen = [int(rng.integers(len(points)))]
+    nearest = to(chosen[0])
+    for _ in range(1, count):
+        cumulative = torch.cumsum(nearest.double(), 0).cpu().numpy()
+        if cumulative[-1] <= 0:  # only duplicates of the chosen left (float rounding): any unchosen point
+            chosen.append(int(rng.choice(np.setdiff1d(np.arange(len(points)), chosen))))
+        else:
+            chosen.append(min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")),
+                              len(points) - 1))
+        torch.minimum(nearest, to(chosen[-1]), out=nearest)
+    centres = points[chosen].clone()
+    for _ in range(KMEANS_ITERATIONS):
+        label = (centres.square().sum(1)[None] - 2 * points @ centres.T).argmin(1)  # + norms: same argmin
+        sums = torch.zeros_like(centres).index_add_(0, label, points)
+        counts = torch.bincount(label, minlength=count).to(points.dtype)[:, None]
+        centres = torch.where(counts > 0, sums / counts.clamp_min(1), centres)      # an empty cell keeps its centre
+    return centres
 
 
 def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
@@ -226,9 +257,10 @@ def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: in
     for start in range(0, len(anchors), step):
         a = anchors[start:start + step]
         d = (a.square().sum(1, keepdim=True) + norms[None] - 2 * a @ points.T).clamp_min(0)
-        d = d + far * (home[None] != torch.arange(start, start + len(a))[:, None])  # home rows first
+        own = torch.arange(start, start + len(a), device=points.device)
+        d = d + far * (home[None] != own[:, None])                              # home rows first
         out.append(torch.topk(d, rows, dim=1, largest=False).indices)
-    return np.sort(torch.cat(out).numpy(), 1).astype(np.int64), home.numpy().astype(np.int64) + offset
+    return np.sort(torch.cat(out).cpu().numpy(), 1).astype(np.int64), home.cpu().numpy().astype(np.int64) + offset
 
 
 def padded_chunks(counts: list[int], slack: float = 1.5) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ from builders import mixed_frame
 
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
-from tabfm.local_context import OVERLAP, LocalContexts, column_relevance, padded_chunks
+from tabfm.local_context import OVERLAP, LocalContexts, _kmeans, column_relevance, padded_chunks
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -38,6 +38,18 @@ def test_each_member_gets_overlapping_contexts_that_hold_every_train_row():
         # every train row is in its home context, so no row is lost to the model
         assert all(r in local.rows[local.home[m, r]] for r in range(500))
     assert not np.array_equal(local.rows[:per_member], local.rows[per_member:2 * per_member])  # own anchors
+
+
+def test_kmeans_puts_one_centre_in_each_separated_blob_and_follows_the_numpy_rng():
+    rng = np.random.default_rng(4)
+    offsets = np.array([[0, 0], [40, 0], [0, 40], [40, 40]], np.float32)
+    blobs = torch.from_numpy(np.concatenate([rng.normal(size=(150, 2)).astype(np.float32) + o for o in offsets]))
+    centres = _kmeans(blobs, 4, np.random.default_rng(0)).numpy()
+    nearest_offset = np.linalg.norm(centres[:, None] - offsets[None], axis=2).argmin(1)
+    assert sorted(nearest_offset) == [0, 1, 2, 3]                    # k-means++ spreads them, Lloyd centres them
+    assert np.abs(centres - offsets[nearest_offset]).max() < 0.5
+    again = _kmeans(blobs, 4, np.random.default_rng(0)).numpy()
+    assert np.array_equal(centres, again)                             # the draws are the given rng's alone
 
 
 def test_rows_are_routed_to_contexts_of_their_own_neighbourhood():
