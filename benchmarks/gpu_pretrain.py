@@ -381,18 +381,33 @@ def cudnn_attention_allowed() -> Iterator[None]:
         precision.BF16_ATTENTION_BACKENDS = kept
 
 
+E2E_ROWS = ("eager", "compile", "cudnn")
+"""The end-to-end section's rows on CUDA in bf16: tabfm's attention kernels eager, the same compiled (as
+train.compile does), PyTorch's own choice with cuDNN's attention (measured: 4.6x slower on an H200, README)."""
+
+
+def e2e_settings(device_type: str, precision: str, rows: tuple[str, ...] | list[str],
+                 backend: str) -> list[tuple[str, Callable[[], Any], bool]]:
+    """(label, context manager factory, compile) of each end-to-end row asked for in `rows` (E2E_ROWS), in
+    E2E_ROWS' order: compiled before cuDNN, so a check cut short keeps the open question. Off CUDA or bf16, the
+    one eager row."""
+    if device_type != "cuda":
+        return [("CPU kernels", contextlib.nullcontext, False)]
+    known = {"eager": ("flash / efficient (tabfm)", contextlib.nullcontext, False),
+             "compile": (f"flash / efficient + compile ({backend})", contextlib.nullcontext, True),
+             "cudnn": ("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed, False)}
+    if precision != "bf16":  # cuDNN's attention and its planning arise under bf16 autocast only
+        rows = [r for r in rows if r != "cudnn"]
+    return [known[r] for r in E2E_ROWS if r in rows]
+
+
 def e2e_section(args: argparse.Namespace, device: torch.device) -> None:
     say(f"\n## end to end ({args.e2e_preset}, {args.e2e_precision}, {args.e2e_workers} loader workers, "
         f"{args.e2e_steps} steps after one untimed)\n")
     say("| tables x rows x features | attention kernels | step ms | median step ms | waiting for batches "
         "| tables/s |")
     say("|---|---|---|---|---|---|")
-    settings = [("flash / efficient (tabfm)" if device.type == "cuda" else "CPU kernels", contextlib.nullcontext,
-                 False)]
-    if device.type == "cuda" and args.e2e_precision == "bf16":  # every batch has new shapes: cuDNN plans each
-        # compiled first: the cuDNN row was measured (4.6x slower on an H200, README) and a cut check loses the last
-        settings += [(f"flash / efficient + compile ({args.compile_backend})", contextlib.nullcontext, True),
-                     ("cuDNN allowed (PyTorch's choice)", cudnn_attention_allowed, False)]
+    settings = e2e_settings(device.type, args.e2e_precision, args.e2e_rows, args.compile_backend)
     for features in args.features:
         shape = f"{args.batch} x {args.rows} x {features}"
         for label, context, compile in settings:
@@ -436,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--e2e-workers", type=int, help="loader workers of the end-to-end run (default the most of "
                                                    "--loader-workers)")
     p.add_argument("--e2e-steps", type=int, help="timed steps of the end-to-end run (GPU default 20)")
+    p.add_argument("--e2e-rows", nargs="+", choices=list(E2E_ROWS), default=list(E2E_ROWS),
+                   help="end-to-end rows on CUDA: tabfm's eager bf16, compiled, with cuDNN's attention allowed "
+                        "(default all; a CPU runs the eager row alone)")
     p.add_argument("--sections", nargs="+", choices=["model", "loader", "e2e"], default=["model", "loader", "e2e"])
     return p
 

@@ -4,12 +4,12 @@
 #   OUT=$OUT BUDGET_S=540 bash benchmarks/gpu_recipe.sh        # device run: carry [".whl"], timeout_s 590
 #
 #   1. the throughput check: benchmarks/gpu_pretrain.py $THROUGHPUT_ARGS, cut at THROUGHPUT_S (0 skips it); by
-#      default the small model's bf16 step on a fixed batch and a real run's step with and without cuDNN's
-#      attention and compiled (train.compile; the full table of README, about 140 s: --presets small base
-#      --features 64 --loader-seconds 8);
-#      then the inference table: benchmarks/inference.py --gpu-table (fit + predict at 1k x 1k x 20,
-#      10k x 10k x 100, 50k x 1k x 100, fp32 and bf16 autocast), cut at INFERENCE_S (0, or a DEVICE other than
-#      cuda, skips it), rows written to $OUT/inference_gpu.txt as they come;
+#      default what is still open: the small model's fp32-eager step on a fixed batch (the 3x target's reference)
+#      and a real run's bf16 step, eager and compiled (whether train.compile pays for its recompiles); the full
+#      table of README, about 140 s: --presets small base --features 64 --loader-seconds 8;
+#      then the inference table: benchmarks/inference.py --gpu-table --gpu-sizes $INFERENCE_SIZES (fit +
+#      predict, fp32 and bf16 autocast; by default the open 50k x 1k x 100, or 1000x1000x20,10000x10000x100,...),
+#      cut at INFERENCE_S (0, or a DEVICE other than cuda, skips it), rows written to $OUT/inference_gpu.txt;
 #   2. one leg of the recipe (benchmarks/gpu_state.py leg): resume the state committed in benchmarks/gpu_state/
 #      (before the first leg: the shipped weights with a fresh optimizer), train stage by stage
 #      (configs/pretrain/gpu.yaml from step 0, gpu_stage2.yaml from step 1500) until EVAL_S + FINISH_S seconds
@@ -38,8 +38,9 @@ BUDGET_S=${BUDGET_S:-540}
 WORK=${WORK:-/tmp/tabfm-recipe}
 DEVICE=${DEVICE:-cuda}
 THROUGHPUT_S=${THROUGHPUT_S:-120}
-THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small --features 64 --precisions bf16 bf16+compile --sections model e2e --e2e-steps 15"}
-INFERENCE_S=${INFERENCE_S:-90}      # the estimators' GPU table (benchmarks/inference.py --gpu-table); 0 skips it
+THROUGHPUT_ARGS=${THROUGHPUT_ARGS:-"--presets small --features 64 --precisions fp32 --sections model e2e --e2e-rows eager compile --e2e-steps 15"}
+INFERENCE_S=${INFERENCE_S:-60}      # the estimators' GPU table (benchmarks/inference.py --gpu-table); 0 skips it
+INFERENCE_SIZES=${INFERENCE_SIZES:-50000x1000x100}   # its sizes (--gpu-sizes): the open target by default
 EVAL_S=${EVAL_S:-120}
 EVAL_TABLES=${EVAL_TABLES:-}        # accuracy.py --tables for both sides (default: all 56)
 FINISH_S=${FINISH_S:-45}            # stopping the trainer, the last pack and merge, the log archive
@@ -77,7 +78,7 @@ fi
 if [ "$INFERENCE_S" -gt 0 ] && [ "${DEVICE%%:*}" = cuda ]; then
     log "inference table (at most $INFERENCE_S s): inference.py --gpu-table"
     timeout -k 10 "$INFERENCE_S" python3 "$REPO/benchmarks/inference.py" --gpu-table --device "$DEVICE" \
-        --budget-s $((INFERENCE_S > 15 ? INFERENCE_S - 10 : INFERENCE_S)) --txt "$WORK/inference_gpu.txt" \
+        --gpu-sizes "$INFERENCE_SIZES" --budget-s $((INFERENCE_S > 15 ? INFERENCE_S - 10 : INFERENCE_S)) --txt "$WORK/inference_gpu.txt" \
         > "$OUT/inference_gpu.txt" 2>&1
     log "inference table: exit status $?"
 fi

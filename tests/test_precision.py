@@ -314,6 +314,12 @@ def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5 and bench.peak_tflops(None, "bf16") is None
     args = bench.build_parser().parse_args(["--cpu-smoke", "--compile-backend", "eager", "--loader-workers", "0"])
     bench.resolve(args)
+    labels = [label for label, *_ in bench.e2e_settings("cuda", "bf16", ["cudnn", "compile", "eager"], "inductor")]
+    assert labels == ["flash / efficient (tabfm)", "flash / efficient + compile (inductor)",
+                      "cuDNN allowed (PyTorch's choice)"]  # compiled before cuDNN, whatever order was asked
+    assert [c for *_, c in bench.e2e_settings("cuda", "bf16", ["eager", "compile"], "inductor")] == [False, True]
+    assert len(bench.e2e_settings("cuda", "fp32", ["eager", "cudnn"], "inductor")) == 1  # cuDNN: bf16 only
+    assert [label for label, *_ in bench.e2e_settings("cpu", "fp32", ["compile"], "eager")] == ["CPU kernels"]
     r = bench.e2e_run(args, torch.device("cpu"), 4, compile=True)  # the GPU's compiled end-to-end row
     assert r["median_ms"] > 0 and 0 <= r["wait"] <= r["total"]
     with warnings.catch_warnings():  # autocast("cuda") on a CPU-only build warns and does nothing else
