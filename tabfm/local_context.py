@@ -226,7 +226,7 @@ def _kmeans(points: torch.Tensor, count: int, rng: np.random.Generator) -> torch
     chosen = [int(rng.integers(len(points)))]
     nearest = to(chosen[0])
     for _ in range(1, count):
-        cumulative = torch.cumsum(nearest.double(), 0).cpu().numpy()
+        cumulative = np.cumsum(nearest.cpu().numpy(), dtype=np.float64)  # on the CPU: MPS has no float64
         if cumulative[-1] <= 0:  # only duplicates of the chosen left (float rounding): any unchosen point
             chosen.append(int(rng.choice(np.setdiff1d(np.arange(len(points)), chosen))))
         else:
