@@ -5,6 +5,7 @@ tensor-parallel mesh as in one process."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -50,6 +51,15 @@ def test_kmeans_puts_one_centre_in_each_separated_blob_and_follows_the_numpy_rng
     assert np.abs(centres - offsets[nearest_offset]).max() < 0.5
     again = _kmeans(blobs, 4, np.random.default_rng(0)).numpy()
     assert np.array_equal(centres, again)                             # the draws are the given rng's alone
+
+
+def test_a_table_of_constant_columns_warns_nothing():
+    cells = _cells(np.zeros((300, 2)))  # the preprocessor keeps one column without values in their place
+    assert np.isnan(cells.values).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "Mean of empty slice" reached users fitting such tables
+        local = LocalContexts.fit(cells, np.ones((300, 1)), n_members=1, rows=64, rng=np.random.default_rng(5))
+    assert np.all(local.points == 0) and local.rows.shape == (1, 64)  # one distinct point: one anchor
 
 
 def test_rows_are_routed_to_contexts_of_their_own_neighbourhood():
