@@ -39,7 +39,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from tabfm import forward_sizes, heap_release
+from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # noqa: F401 (class_codes re-exported)
                             member_width, members_see_every_column)
@@ -55,18 +55,6 @@ from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
                               torch_threads)
-
-CALIBRATION_ROWS = 1000
-"""Most held-out train rows the classifier's temperature is fitted on."""
-
-CALIBRATION_CONTEXT_ROWS = 2000
-"""The calibration probe's context holds at most half the train rows, but never fewer than this many (where
-there are): it is a second encoding, and its cost (quadratic in its rows) is what halving saves on long tables.
-Tables of up to 2,500 train rows keep every non-held row, as before."""
-
-BLEND_WEIGHTS = np.linspace(0.0, 0.9, 10)
-"""The classifier's logistic-regression weights tried at calibration; below 1, so the ensemble always counts
-and a class the logistic regression never saw keeps some probability."""
 
 
 def _threaded(method):
@@ -515,8 +503,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         return self
 
     def _calibrate(self) -> tuple[float, float]:
-        """(softmax temperature, blend weight) that minimise the log-loss of held-out train rows (a stratified
-        20%, at most CALIBRATION_ROWS) predicted from the other train rows by the same ensemble, and with
+        """(softmax temperature, blend weight) that minimise the log-loss of held-out train rows
+        (tabfm.calibration.held_out_rows) predicted from the other train rows by the same ensemble, and with
         linear_blend by a logistic regression fitted on those rows too; (softmax_temperature, 0) when too few
         rows.
 
@@ -529,33 +517,23 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         """
         y, n = self.y_train_, len(self.y_train_)
         rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
-        held = []
-        for c in range(len(self.classes_)):
-            rows = np.flatnonzero(y == c)
-            held.extend(rng.choice(rows, int(0.2 * len(rows)), replace=False))
-        held = np.sort(np.asarray(held, dtype=np.int64))
-        if len(held) > CALIBRATION_ROWS:
-            held = np.sort(rng.choice(held, CALIBRATION_ROWS, replace=False))
+        held = calibration.held_out_rows(y, len(self.classes_), rng)
         if len(held) < 10:
             return float(self.softmax_temperature), 0.0
         keep = np.setdiff1d(np.arange(n), held)
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng, max(CALIBRATION_CONTEXT_ROWS, n // 2))
+        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
+                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
         held_cells = self.train_cells_.take(held)
         logp = probe._cell_outputs(held_cells)
         weights, linear = np.zeros(1), np.zeros((len(held), len(self.classes_)))
         if self.linear_blend and len(np.unique(y[keep])) > 1:
-            weights = BLEND_WEIGHTS
+            weights = calibration.BLEND_WEIGHTS
             linear = LogisticModel.fit(probe.train_cells_, y[keep], len(self.classes_)).predict_proba(held_cells)
-        temps = np.exp(np.linspace(np.log(0.2), np.log(3.0), 41))
-        truth = np.arange(len(held)), y[held]
-        losses = np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
-                            for w in weights] for proba in (self._combine(logp, t) for t in temps)])
-        t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)  # ties: the lowest temperature, weight
-        return float(temps[t]), float(weights[w])
+        return calibration.fit_temperature_and_blend(lambda t: self._combine(logp, t), linear, y[held], weights)
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""

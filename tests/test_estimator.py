@@ -12,7 +12,7 @@ import torch
 from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from tabfm import estimator, estimator_model, inference
+from tabfm import calibration, estimator, estimator_model, inference
 from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
@@ -233,7 +233,7 @@ def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
     held = 100 - rows[0]
     assert rows == [100 - held, 100] and 15 <= held <= 25  # the probe (every row not held out), then the contexts
     rows.clear()
-    monkeypatch.setattr(estimator, "CALIBRATION_CONTEXT_ROWS", 10)
+    monkeypatch.setattr(calibration, "CALIBRATION_CONTEXT_ROWS", 10)
     TabFMClassifier(n_estimators=2, n_jobs=1).fit(df[:100], y[:100])
     assert rows == [50, 100]  # the probe's context: half the train rows, as the floor is lower
 

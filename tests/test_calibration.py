@@ -1,0 +1,40 @@
+"""The classifier's calibration (tabfm.calibration): which rows it holds out, and the temperature and blend weight
+it picks from their predictions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tabfm.calibration import CALIBRATION_ROWS, TEMPERATURES, fit_temperature_and_blend, held_out_rows
+
+
+def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
+    y = np.repeat([0, 1, 2], [500, 300, 200])
+    held = held_out_rows(y, 3, np.random.default_rng(0))
+    assert np.all(np.diff(held) > 0)                                  # sorted, no repeats
+    assert [int((y[held] == c).sum()) for c in range(3)] == [100, 60, 40]
+    many = held_out_rows(np.zeros(20_000, np.int64), 1, np.random.default_rng(0))
+    assert len(many) == CALIBRATION_ROWS and len(np.unique(many)) == CALIBRATION_ROWS
+
+
+def _softmax(logits: np.ndarray, t: float) -> np.ndarray:
+    z = np.exp(logits / t - (logits / t).max(1, keepdims=True))
+    return z / z.sum(1, keepdims=True)
+
+
+def test_the_temperature_that_generated_the_labels_is_recovered():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4000, 3)) * 2
+    truth_t = TEMPERATURES[25]
+    p = _softmax(logits, truth_t)
+    y = np.array([rng.choice(3, p=row) for row in p])
+    t, w = fit_temperature_and_blend(lambda t: _softmax(logits, t), np.zeros_like(p), y, np.zeros(1))
+    assert w == 0.0 and abs(np.log(t) - np.log(truth_t)) < 0.15      # within about two grid steps
+
+
+def test_the_blend_goes_to_the_better_model_and_ties_to_the_lowest_values():
+    y = np.array([0, 1] * 50)
+    good = np.eye(2)[y] * 0.9 + 0.05                                   # the linear model is right
+    coin = np.full((100, 2), 0.5)                                      # the ensemble knows nothing, at any t
+    t, w = fit_temperature_and_blend(lambda t: coin, good, y, np.linspace(0.0, 0.9, 10))
+    assert w == 0.9 and t == TEMPERATURES[0]                           # every t ties: the lowest
