@@ -162,8 +162,8 @@ class LocalContexts:
             center = np.nan_to_num(np.nanmean(unit, 0), nan=0.0) if len(unit) else np.zeros(unit.shape[1])
             spread = np.nan_to_num(np.nanstd(unit, 0), nan=0.0)
         scale = np.where(spread > 0, spread, 1.0)
-        state = cls(peak, weight, center, scale, np.empty((0, unit.shape[1]), np.float32), np.empty((0, rows), np.int64),
-                    np.empty(0, np.int64), np.empty((n_members, 0), np.int64))
+        state = cls(peak, weight, center, scale, np.empty((0, unit.shape[1]), np.float32),
+                    np.empty((0, rows), np.int64), np.empty(0, np.int64), np.empty((n_members, 0), np.int64))
         state.points = state.space(cells)
         points = torch.from_numpy(state.points).to(device)
         n = len(points)
@@ -217,8 +217,9 @@ def _kmeans(points: torch.Tensor, count: int, rng: np.random.Generator) -> torch
     """[count, D] centres of KMEANS_ITERATIONS Lloyd iterations from a k-means++ start, on points' device.
 
     Hand-written rather than sklearn's KMeans, which runs on the CPU only and whose greedy k-means++ scores
-    2 + log(count) candidates per centre (391 centres per member on a 50,000-row table, twice per fit). The draws come from `rng` (numpy), so the anchors do not depend on the device's generator.
-    Needs count distinct points (the caller's), so every draw has a point at a positive distance."""
+    2 + log(count) candidates per centre (391 centres per member on a 50,000-row table, twice per fit). The
+    draws come from `rng` (numpy), so the anchors do not depend on the device's generator. Needs count distinct
+    points (the caller's), so every draw has a point at a positive distance."""
     norms = points.square().sum(1)
 
     def to(i: int) -> torch.Tensor:
