@@ -303,20 +303,23 @@ class _TabFMBase(BaseEstimator):
         results = []
         from tqdm.auto import tqdm
 
+        # the train rows that local contexts route by, moved to the device once per call, not once per batch
+        train_points = None if self.local_ is None else torch.from_numpy(self.local_.points).to(self.device_)
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
             sub = cells.take(slice(start, start + self.batch_size))
-            out, units = self._batch_outputs(model, sub)
+            out, units = self._batch_outputs(model, sub, train_points)
             results.append(out if finalize is None else finalize(out, units))
             self._release_heap()
         return np.concatenate(results, axis=0 if finalize is not None else 1)
 
-    def _batch_outputs(self, model: TabFM, cells: Cells) -> tuple[np.ndarray, np.ndarray]:
+    def _batch_outputs(self, model: TabFM, cells: Cells,
+                       train_points: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
         """(outputs [M, n, Y], contexts [M, n]) of one test batch: every row against each member's one context,
-        or with local contexts against the context each member routes it to (tabfm.local_context); the forwards
-        spread over the table threads."""
+        or with local contexts against the context each member routes it to (tabfm.local_context; train_points:
+        its `points` on device_); the forwards spread over the table threads."""
         n = len(cells.values)
-        route = None if self.local_ is None else self.local_.route(cells, self.device_)  # [M, n]
+        route = None if self.local_ is None else self.local_.route(cells, train_points)  # [M, n]
         units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
         scaled = self._scaled(cells, np.unique(units_of))
         sizes = self._forward_sizes()

@@ -184,12 +184,13 @@ class LocalContexts:
         z = (_raw_space(cells) / self.peak - self.center) / self.scale
         return (np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0) * self.weight).astype(np.float32)
 
-    def route(self, cells: Cells, device: torch.device | str = "cpu") -> np.ndarray:
-        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from; the nearest
-        train rows are searched on `device`."""
-        points = torch.from_numpy(self.points).to(device)
+    def route(self, cells: Cells, points: torch.Tensor | None = None) -> np.ndarray:
+        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from. points: this
+        object's `points` as a tensor on the device to search on, where the caller keeps one across calls (the
+        estimator does, per predict call); None: searched on the CPU."""
+        points = torch.from_numpy(self.points) if points is None else points
         k = min(ROUTE_NEIGHBOURS, len(points))
-        _, near = _nearest(torch.from_numpy(self.space(cells)).to(device), points, k)
+        _, near = _nearest(torch.from_numpy(self.space(cells)).to(points.device), points, k)
         near = near.cpu().numpy()                                               # [n, k], nearest first
         weight = 1.0 + 1e-3 * (k - np.arange(k))                               # ties go to the nearer rows' home
         out = np.empty((len(self.home), len(near)), np.int64)
