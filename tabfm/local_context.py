@@ -106,14 +106,19 @@ def column_relevance(cells: Cells, targets: np.ndarray) -> np.ndarray:
     return out
 
 
+def _squared_distances(queries: torch.Tensor, points: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """[q, n] squared distances of each query to each point; norms: points.square().sum(1), computed once by
+    callers that go through the queries in blocks."""
+    return (queries.square().sum(1, keepdim=True) + norms[None] - 2 * queries @ points.T).clamp_min(0)
+
+
 def _nearest(queries: torch.Tensor, points: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(squared distances, indices) [q, k] of the k points nearest each query, nearest first."""
     out_d, out_i = [], []
     step = max(1, _DISTANCE_CELLS // max(len(points), 1))
     norms = points.square().sum(1)
     for start in range(0, len(queries), step):
-        q = queries[start:start + step]
-        d = (q.square().sum(1, keepdim=True) + norms[None] - 2 * q @ points.T).clamp_min(0)
+        d = _squared_distances(queries[start:start + step], points, norms)
         dist, idx = torch.topk(d, k, dim=1, largest=False, sorted=True)
         out_d.append(dist)
         out_i.append(idx)
@@ -253,13 +258,13 @@ def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: in
     n = len(points)
     _, nearest_anchor = _nearest(points, anchors, 1)
     home = nearest_anchor[:, 0]                                                 # [n]
-    far = float(points.square().sum(1).max()) * 4 + 1.0                        # farther than any real distance
-    out = []
     norms = points.square().sum(1)
+    far = float(norms.max()) * 4 + 1.0                                          # farther than any real distance
+    out = []
     step = max(1, _DISTANCE_CELLS // max(n, 1))
     for start in range(0, len(anchors), step):
         a = anchors[start:start + step]
-        d = (a.square().sum(1, keepdim=True) + norms[None] - 2 * a @ points.T).clamp_min(0)
+        d = _squared_distances(a, points, norms)
         own = torch.arange(start, start + len(a), device=points.device)
         d = d + far * (home[None] != own[:, None])                              # home rows first
         out.append(torch.topk(d, rows, dim=1, largest=False).indices)
