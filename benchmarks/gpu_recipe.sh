@@ -78,7 +78,8 @@ fi
 if [ "$INFERENCE_S" -gt 0 ] && [ "${DEVICE%%:*}" = cuda ]; then
     log "inference table (at most $INFERENCE_S s): inference.py --gpu-table"
     timeout -k 10 "$INFERENCE_S" python3 "$REPO/benchmarks/inference.py" --gpu-table --device "$DEVICE" \
-        --gpu-sizes "$INFERENCE_SIZES" --budget-s $((INFERENCE_S > 15 ? INFERENCE_S - 10 : INFERENCE_S)) --txt "$WORK/inference_gpu.txt" \
+        --gpu-sizes "$INFERENCE_SIZES" --budget-s $((INFERENCE_S > 15 ? INFERENCE_S - 10 : INFERENCE_S)) \
+        --txt "$WORK/inference_gpu.txt" \
         > "$OUT/inference_gpu.txt" 2>&1
     log "inference table: exit status $?"
 fi
