@@ -445,7 +445,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Divides the members' logits; used when calibrate is False.
     calibrate : bool, default=True
         Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
-        other train rows; costs about one more encoding of the train rows.
+        other train rows by the first two members; costs about half of one more encoding of the train rows.
     linear_blend : bool, default=True
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
@@ -514,7 +514,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         rows mixes all of them (the cell statistics, the attention down each column, the in-context transformer),
         so dropping rows changes every cached key and value. It is kept cheap instead: its context holds at most
         half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before
-        the full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both.
+        the full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both;
+        and it runs the first calibration.CALIBRATION_MEMBERS members only.
         """
         y, n = self.y_train_, len(self.y_train_)
         rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
@@ -524,6 +525,10 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         keep = np.setdiff1d(np.arange(n), held)
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
+        if len(self.classes_) <= self.n_groups_:  # else every member is needed to decode the classes
+            members = min(self.n_members_, calibration.CALIBRATION_MEMBERS)
+            probe.n_members_, probe.members_ = members, self.members_[:members]
+            probe.class_codes_ = self.class_codes_[:members]
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
         probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
                              max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
@@ -534,7 +539,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         if self.linear_blend and len(np.unique(y[keep])) > 1:
             weights = calibration.BLEND_WEIGHTS
             linear = LogisticModel.fit(probe.train_cells_, y[keep], len(self.classes_)).predict_proba(held_cells)
-        return calibration.fit_temperature_and_blend(lambda t: self._combine(logp, t), linear, y[held], weights)
+        return calibration.fit_temperature_and_blend(lambda t: probe._combine(logp, t), linear, y[held], weights)
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""

@@ -238,6 +238,27 @@ def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
     assert rows == [50, 100]  # the probe's context: half the train rows, as the floor is lower
 
 
+def test_calibration_probe_runs_the_first_members_unless_the_classes_need_all(monkeypatch):
+    """The probe encodes calibration.CALIBRATION_MEMBERS members' contexts (the first members: their views), the
+    fit then every member's; with more classes than the model's head every member is needed to decode them."""
+    df, y = mixed_frame(120)
+    tables = []
+    real = inference.encode_context
+    monkeypatch.setattr("tabfm.estimator.encode_context",
+                        lambda m, b: tables.append(tuple(b.values.shape[:2])) or real(m, b))
+    clf = TabFMClassifier(n_estimators=4, n_jobs=1).fit(df[:100], y[:100])
+    probe_rows = tables[0][1]
+    assert tables == [(calibration.CALIBRATION_MEMBERS, probe_rows), (4, 100)] and probe_rows < 100
+    assert 0.2 <= clf.temperature_ <= 3.0
+    tables.clear()
+    rng = np.random.default_rng(0)
+    many = rng.integers(0, 12, 120)  # 12 classes, the head has 10
+    X = rng.normal(size=(120, 3)) + many[:, None]
+    clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X, many)
+    assert clf.n_members_ > calibration.CALIBRATION_MEMBERS
+    assert [t for t, _ in tables] == [clf.n_members_, clf.n_members_]
+
+
 def test_more_classes_than_the_head():
     rng = np.random.default_rng(0)
     K = 14
