@@ -189,7 +189,7 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
     log("contexts, those routed to it) incl. the test rows' preprocessing; /predict = what each predict call saves with the cache,")
     log("/total = against fit + predict (one predict per fit: the cache pays off from the second predict on);")
     log("max|dp| = largest difference between its probabilities and predict_proba's; cal = calibrate (the")
-    log("classifier's temperature fitted on held-out train rows at fit: about one more context encoding).")
+    log("classifier's temperature fitted on held-out train rows at fit: about half of one more context encoding).")
     for calibrate in (True, False):
         ratio = totals[default, calibrate, False] / totals[default, calibrate, True]
         log(f"default n_estimators, calibrate={calibrate}: global contexts / local contexts = {ratio:.2f}x the time")
