@@ -54,8 +54,8 @@ def forward_bytes(config: ModelConfig, tables: int, rows: int, columns: int, ele
 
 
 def cache_bytes(config: ModelConfig, train_rows: int, columns: int, element_size: int) -> int:
-    """Bytes of the largest cached keys (or values) tensor one table of a Context holds: what gathering tables of
-    several contexts into one forward's context (tabfm.model.Context.gather) allocates per table."""
+    """Bytes of the largest cached keys (or values) tensor one table of a Context holds: what selecting some of a
+    context's tables for one forward (tabfm.model.Context.select) allocates per table."""
     column_keys = config.num_inducing if config.column_attention == "inducing" else train_rows
     return element_size * max(columns * column_keys * config.embed_dim, train_rows * config.icl_dim)
 

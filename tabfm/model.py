@@ -354,37 +354,19 @@ class Context:
 
     def select(self, tables: torch.Tensor) -> Context:
         """The context of some of its tables (indices [b] into its B tables), caches included: every cached tensor
-        holds the tables in its first dimension."""
-        return Context.gather([(self, tables)])
-
-    @staticmethod
-    def gather(parts: list[tuple[Context, torch.Tensor]]) -> Context:
-        """One context of some tables of several contexts encoded alike (task, train rows, columns): of each
-        (context, tables) in order, those tables (indices into its B tables)."""
-        first = parts[0][0]
-        if any((c.task, c.n_train, c.num_columns) != (first.task, first.n_train, first.num_columns) for c, _ in parts):
-            raise ValueError("Context.gather takes contexts of one task with equal train rows and columns")
-
-        def take(get) -> torch.Tensor:  # one copy: each part's tables straight into place
-            first_tensor = get(first)
-            out = first_tensor.new_empty((sum(len(tables) for _, tables in parts), *first_tensor.shape[1:]))
-            start = 0
-            for context, tables in parts:
-                torch.index_select(get(context), 0, tables.to(out.device), out=out[start:start + len(tables)])
-                start += len(tables)
-            return out
+        holds the tables in its first dimension and is copied once."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return torch.index_select(t, 0, tables.to(t.device))
 
         caches = []
-        for i in range(len(first.caches)):
+        for cache in self.caches:
             part = KVCache()
-            part.k, part.v = take(lambda c: c.caches[i].k), take(lambda c: c.caches[i].v)
+            part.k, part.v = take(cache.k), take(cache.v)
             part.recording = False
             caches.append(part)
-        target_stats = None if first.target_stats is None else (take(lambda c: c.target_stats[0]),
-                                                                take(lambda c: c.target_stats[1]))
-        return Context(task=first.task, n_train=first.n_train, num_columns=first.num_columns,
-                       n_classes=take(lambda c: c.n_classes),
-                       cell_stats=(take(lambda c: c.cell_stats[0]), take(lambda c: c.cell_stats[1])),
+        target_stats = None if self.target_stats is None else tuple(take(t) for t in self.target_stats)
+        return Context(task=self.task, n_train=self.n_train, num_columns=self.num_columns,
+                       n_classes=take(self.n_classes), cell_stats=tuple(take(t) for t in self.cell_stats),
                        target_stats=target_stats, caches=caches)
 
     def check_batch(self, batch: Batch) -> None:

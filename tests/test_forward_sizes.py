@@ -150,25 +150,22 @@ def test_heap_sized_forwards_give_the_cell_budget_forwards_predictions(Estimator
     assert encoded(shapes) == encoded(base) > 0
 
 
-def test_tables_of_several_contexts_are_gathered_into_one():
-    """Context.gather of tables of several contexts (the forwards of one fit) equals selecting those tables of one
-    context of them all; unlike contexts are refused."""
+def test_selected_tables_are_those_tables_of_the_context():
+    """Context.select of some tables (in any order, and of a selection again) holds exactly those tables' caches
+    and statistics, and no longer records."""
     model = TabFM(ModelConfig.load("tiny")).double().eval()
     with torch.no_grad():
         context = encode_context(model, _batch(5, 30, 4, "regression", train=True))
-    first, second = context.select(torch.tensor([0, 1, 2])), context.select(torch.tensor([3, 4]))
-    picked = type(context).gather([(second, torch.tensor([1])), (first, torch.tensor([2, 0]))])
-    want = context.select(torch.tensor([4, 2, 0]))
-    assert picked.num_tables == 3 and picked.target_stats is not None
-    for a, b in zip(picked.caches, want.caches, strict=True):
-        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and not a.recording
-    for a, b in [(picked.cell_stats, want.cell_stats), (picked.target_stats, want.target_stats)]:
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert torch.equal(picked.n_classes, want.n_classes)
-    with torch.no_grad():
-        other = encode_context(model, _batch(2, 31, 4, "regression", train=True))
-    with pytest.raises(ValueError, match="equal train rows and columns"):
-        type(context).gather([(context, torch.tensor([0])), (other, torch.tensor([0]))])
+    order = torch.tensor([4, 2, 0])
+    picked = context.select(torch.tensor([3, 4])).select(torch.tensor([1]))
+    want = context.select(torch.tensor([4]))
+    for got, one in [(context.select(order), order), (picked, torch.tensor([4])), (want, torch.tensor([4]))]:
+        assert got.num_tables == len(one) and got.target_stats is not None
+        for a, b in zip(got.caches, context.caches, strict=True):
+            assert torch.equal(a.k, b.k[one]) and torch.equal(a.v, b.v[one]) and not a.recording
+        for a, b in [(got.cell_stats, context.cell_stats), (got.target_stats, context.target_stats)]:
+            assert torch.equal(a[0], b[0][one]) and torch.equal(a[1], b[1][one])
+        assert torch.equal(got.n_classes, context.n_classes[one])
 
 
 def test_benchmark_prints_both_sides_and_their_ratio(tmp_path):
