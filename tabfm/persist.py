@@ -54,14 +54,15 @@ def _whitelist() -> dict[str, type]:
     from tabfm.model import Context
     from tabfm.preprocess import Cells, Column, TablePreprocessor
     from tabfm.target_transform import TargetScale, TargetTransform
+    from tabfm.yeo_johnson import YeoJohnson
 
     classes = {"sklearn.preprocessing.StandardScaler": StandardScaler,
                "sklearn.preprocessing.RobustScaler": RobustScaler,
                "sklearn.preprocessing.QuantileTransformer": QuantileTransformer,
-               "sklearn.preprocessing.PowerTransformer": PowerTransformer,
+               "sklearn.preprocessing.PowerTransformer": PowerTransformer,  # in files saved before YeoJohnson
                "sklearn.pipeline.Pipeline": Pipeline}
     for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform,
-                LinearBase, LinearDesign, LogisticModel, LocalContexts):
+                LinearBase, LinearDesign, LogisticModel, LocalContexts, YeoJohnson):
         classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return classes
 

@@ -19,7 +19,7 @@
                  rows' mean and deviation, in float64: the model standardises each column that way anyway), "robust" (median / interquartile range, then
                  a soft clip at +-4 so an outlier cannot dominate the model's train-row mean and deviation),
                  "quantile" (train-row quantiles mapped to a standard normal) or "power" (standardised, then
-                 Yeo-Johnson towards a normal shape), all from scikit-learn
+                 Yeo-Johnson towards a normal shape, tabfm.yeo_johnson), the others from scikit-learn
 
 `TablePreprocessor.fit(X)` learns the columns; `transform(X)` gives `Cells` with raw numeric values (NaN where
 missing) and category codes; `scale(values, kind)` applies a scaling fitted at fit.
@@ -45,8 +45,8 @@ NUMERIC_TRANSFORMS = ("none", "robust", "quantile", "power")
 SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
 POWER_FIT_ROWS = 500
-"""Train rows (a fixed random subset) that the Yeo-Johnson exponents are fitted on: scipy's search per column is
-the slowest part of fit on mid-size tables, and 500 rows pin an exponent down well."""
+"""Train rows (a fixed random subset) that the Yeo-Johnson exponents are fitted on: 500 rows pin an exponent down
+well, and the search's cost grows with the rows (tabfm.yeo_johnson)."""
 
 
 @dataclass(frozen=True)
@@ -490,7 +490,9 @@ class TablePreprocessor:
     @staticmethod
     def _fit_scaler(kind: str, numeric: np.ndarray) -> Any:
         from sklearn.pipeline import make_pipeline
-        from sklearn.preprocessing import PowerTransformer, QuantileTransformer, RobustScaler, StandardScaler
+        from sklearn.preprocessing import QuantileTransformer, RobustScaler, StandardScaler
+
+        from tabfm.yeo_johnson import YeoJohnson
 
         if kind not in NUMERIC_TRANSFORMS:
             raise ValueError(f"unknown numeric transform {kind!r}; choose from {NUMERIC_TRANSFORMS}")
@@ -502,13 +504,13 @@ class TablePreprocessor:
             return RobustScaler(unit_variance=False).fit(numeric)
         if kind == "power":  # standardised first: Yeo-Johnson's lambda search overflows on large raw values
             rows = numeric
-            if len(rows) > POWER_FIT_ROWS:  # the lambda search costs ~20 ms per column per 1,000 rows
+            if len(rows) > POWER_FIT_ROWS:  # the lambda search costs ~1 ms per column per 1,000 rows
                 some = rows[np.sort(np.random.default_rng(0).choice(len(rows), POWER_FIT_ROWS, replace=False))]
                 if (~np.isnan(some)).any(axis=0).all():  # else a sparse column has no value there: all rows
                     rows = some
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                return make_pipeline(StandardScaler(), PowerTransformer(method="yeo-johnson")).fit(rows)
+                return make_pipeline(StandardScaler(), YeoJohnson()).fit(rows)
         return QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(numeric))),
                                    subsample=None, random_state=0).fit(numeric)
 

@@ -60,14 +60,16 @@ class TargetTransform:
         self.kind = kind
 
     def fit(self, u: np.ndarray) -> TargetTransform:
-        from sklearn.preprocessing import PowerTransformer, QuantileTransformer
+        from sklearn.preprocessing import QuantileTransformer
+
+        from tabfm.yeo_johnson import YeoJohnson
 
         u = np.asarray(u, np.float64).reshape(-1, 1)
         self.impl_ = None
         if self.kind == "power" and np.ptp(u) > 0:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                self.impl_ = PowerTransformer(method="yeo-johnson").fit(u)
+                self.impl_ = YeoJohnson().fit(u)
         elif self.kind == "quantile" and np.ptp(u) > 0:
             self.impl_ = QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(u))),
                                              subsample=None, random_state=0).fit(u)
