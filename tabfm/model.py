@@ -35,6 +35,7 @@ blocks stays replicated, and the parameter names stay these.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,14 @@ COLUMN_STAGES = ("full", "inducing")
 
 CONFIG_DIR = preset_dir("model")
 """The size presets: configs/model of a source checkout, or the copy an installed wheel ships in tabfm/configs."""
+
+
+def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """A region that computes in the weights' dtype even inside torch.autocast (devices without autocast, such as
+    the planner's meta device, need nothing)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -221,10 +230,18 @@ class CellEncoder(nn.Module):
     def forward(self, values: torch.Tensor, missing: torch.Tensor, cat_codes: torch.Tensor, is_cat: torch.Tensor,
                 stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """stats: (mean, std) of `stats`, from these rows or from a context encoded earlier."""
-        B, R, C = values.shape
+        C = values.shape[-1]
         if C > self.cfg.max_columns:
             raise ValueError(f"the table has {C} columns but the model takes at most max_columns="
                              f"{self.cfg.max_columns}; drop columns or use a model with more")
+        with outside_autocast(values.device):
+            return self._embed(values, missing, cat_codes, is_cat, stats)
+
+    def _embed(self, values: torch.Tensor, missing: torch.Tensor, cat_codes: torch.Tensor, is_cat: torch.Tensor,
+               stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """forward's tokens in the weights' dtype, outside autocast: the cells are the data, and bfloat16's 8
+        significant bits would round each normalised value by up to 2^-9 of itself before the model sees it."""
+        C = values.shape[-1]
         dtype = self.value_proj.weight.dtype
         values, observed = values.to(dtype), (~missing).to(dtype)
         mean, std = stats                                                        # [B, 1, C]
@@ -383,6 +400,14 @@ class Context:
 # The model
 # ---------------------------------------------------------------------------------------------------------
 
+def _float32_head(head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    """The output head outside autocast, in its weights' dtype: under bfloat16 autocast the logits would be
+    rounded to bfloat16 (8 significant bits, a spacing of 2^-5 at |z| in [4, 8)), moving probabilities by up to
+    2^-7 for the price of the smallest matmul in the model."""
+    with outside_autocast(h.device):
+        return head(h.to(head.weight.dtype))
+
+
 class TabFM(nn.Module):
     """Cells -> axial blocks -> row compression -> in-context transformer -> classification or regression head.
 
@@ -485,8 +510,8 @@ class TabFM(nn.Module):
         h = self.compress(x, batch.col_pad)                                      # [B, R, D]
         h = self.icl(h, labels, kv, None if caches is None else caches[A:])
         if batch.task == "regression":
-            return self.bin_head(h)                                              # [B, R, num_bins]
-        logits = self.class_head(h)                                              # [B, R, max_classes]
+            return _float32_head(self.bin_head, h)                               # [B, R, num_bins]
+        logits = _float32_head(self.class_head, h)                               # [B, R, max_classes]
         unused = torch.arange(self.config.max_classes, device=h.device) >= batch.n_classes[:, None, None]
         return logits.masked_fill(unused, torch.finfo(logits.dtype).min)
 
