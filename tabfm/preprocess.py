@@ -568,15 +568,20 @@ class TablePreprocessor:
         NaN)."""
         if kind not in self.scalers_:
             raise ValueError(f"numeric transform {kind!r} was not fitted; fitted: {sorted(self.scalers_)}")
-        out = cells.values.copy()
+        values = cells.values
         numeric = [j for j, c in enumerate(self.columns_) if c.kind == "numeric"]
-        if numeric:
-            out[:, numeric] = cells.values[:, numeric] / self.peak_
-        if numeric and self.scalers_[kind] is not None:
+        if not numeric:
+            return values.copy()
+        every = len(numeric) == values.shape[1]  # then whole arrays, not a gather and a scatter of every cell
+        x = (values if every else values[:, numeric]) / self.peak_
+        if self.scalers_[kind] is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                scaled = self.scalers_[kind].transform(out[:, numeric])
+                x = self.scalers_[kind].transform(x)
             if kind == "robust":
-                scaled = SOFT_CLIP * np.tanh(scaled / SOFT_CLIP)
-            out[:, numeric] = scaled
+                x = SOFT_CLIP * np.tanh(x / SOFT_CLIP)
+        if every:
+            return x
+        out = values.copy()
+        out[:, numeric] = x
         return out

@@ -91,6 +91,25 @@ def test_numeric_transforms_keep_missing_and_order(kind):
         pre.scale(cells, next(k for k in NUMERIC_TRANSFORMS if k != kind))
 
 
+@pytest.mark.parametrize("kind", NUMERIC_TRANSFORMS)
+def test_numeric_transforms_scale_each_column_alike_with_or_without_categorical_columns(kind):
+    """scale() takes whole arrays when every column is numeric and gathers the numeric ones otherwise: the same
+    numbers either way, categorical columns NaN, and the cells it reads left as they were."""
+    df = _table(60)
+    df["z"] = np.random.default_rng(1).lognormal(size=60)
+    df.loc[5, "z"] = np.nan
+    mixed = TablePreprocessor(transforms=(kind,)).fit(df)
+    numeric = TablePreprocessor(transforms=(kind,)).fit(df[["x", "z"]])
+    cells_mixed, cells_numeric = mixed.transform(df), numeric.transform(df[["x", "z"]])
+    before = cells_numeric.values.copy()
+    a, b = mixed.scale(cells_mixed, kind), numeric.scale(cells_numeric, kind)
+    names = [c.name for c in mixed.columns_]
+    cols = [names.index("x"), names.index("z")]
+    assert np.allclose(a[:, cols], b, rtol=1e-12, atol=1e-12, equal_nan=True) and np.isnan(b[5, 1])
+    assert np.isnan(np.delete(a, cols, axis=1)).all()
+    assert np.array_equal(cells_numeric.values, before, equal_nan=True) and not np.shares_memory(b, cells_numeric.values)
+
+
 def test_numeric_columns_near_float64_limits_reach_the_model_finite():
     X = np.array([[1.7e308, 1.0], [-1.0e308, 2.0], [5e307, 3.0], [np.nan, 4.0]])
     pre = TablePreprocessor(transforms=NUMERIC_TRANSFORMS).fit(X)
