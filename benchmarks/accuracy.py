@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import sys
 import time
 import warnings
@@ -75,6 +73,7 @@ from tabfm.evaluate import DATASETS_DIR, _read
 # benchmarks/ is no package: its sibling is found beside this file, whether run as a script or loaded by path
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGRESSORS, Result, _f,  # noqa: E402
                              notes_lines, per_table_lines, read_baselines, report, write_csv)
 
@@ -379,7 +378,7 @@ def _output_text(args: argparse.Namespace, tables: dict[str, RealTable], per_tab
     shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
     lines = [
         f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; "
+        f"machine: {machine.describe()}; "
         f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
         f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
         f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}",

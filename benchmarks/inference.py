@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import resource
 import subprocess
@@ -63,6 +62,10 @@ from sklearn.datasets import make_classification, make_regression
 import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script, or loaded by a test from its path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 
 GIB = 1 << 30
 FEATURES = 20
@@ -567,8 +570,7 @@ def main() -> None:
         sizes.append(TARGET_ROWS)
     log = Log()
     start = time.perf_counter()
-    machine = platform.processor() or platform.machine()
-    log(f"# benchmarks/inference.py: {machine}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
+    log(f"# benchmarks/inference.py: {machine.describe()}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), float32, shipped model")
     log(f"# load average at start {' '.join(f'{v:.2f}' for v in os.getloadavg())} "
         "(shared machine: absolute numbers move with the load)\n")
