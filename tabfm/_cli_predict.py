@@ -115,12 +115,18 @@ def read_table(path: str, na_values: Sequence[str] | None = None, separator: str
 
 def infer_task(y) -> tuple[str, str]:
     """(task, why) for --task auto: the number of distinct values decides, not whether they are whole, so integer
-    prices and counts are regression while 0/1 or 1..5 labels stay classification."""
+    prices and counts are regression while 0/1 or 1..5 labels stay classification; and a target with fractional
+    values where most values are distinct (fewer than two rows per value, e.g. 18 measurements on 18 rows) is
+    regression however few rows there are: classes of one row each are no classes."""
     if not y.dtype.is_numeric():
         return "classification", f"the target {y.name!r} is not numeric ({y.dtype})"
-    distinct, limit = y.drop_nulls().n_unique(), MAX_AUTO_CLASSES
+    values = y.drop_nulls()
+    distinct, limit = values.n_unique(), MAX_AUTO_CLASSES
     if distinct > limit:
         return "regression", f"the target {y.name!r} is numeric with {distinct} distinct values (over {limit})"
+    if y.dtype.is_float() and distinct > 2 and 2 * distinct > len(values) and (values != values.round(0)).any():
+        return "regression", (f"the target {y.name!r} has fractional values, {distinct} distinct in {len(values)} "
+                              "rows (fewer than two rows per value)")
     return "classification", f"the target {y.name!r} has only {distinct} distinct values (at most {limit})"
 
 
@@ -179,6 +185,12 @@ def _task(args: argparse.Namespace, y) -> tuple[str, str]:
     return task, f"task: {task}, as {why}; pass --task {other} if that is wrong"
 
 
+def _numeric_classes(task: str, y) -> bool:
+    """A numeric target read as classes: the one --task auto choice that may well be wrong (a count, a score), so
+    it is said as a warning, which --quiet does not hide."""
+    return task == "classification" and y.dtype.is_numeric()
+
+
 def _na(args: argparse.Namespace) -> list[str]:
     from tabfm import table_io
 
@@ -204,7 +216,7 @@ def run_prediction(args: argparse.Namespace) -> int:
     X, y, task, why = load_train(args)
     test = open_test(args, X)  # its header and rows checked before the fit
     if why:  # after the checks, so that bad input still gives one line
-        _say(args, why)
+        _say(args, why, warning=_numeric_classes(task, y))
     _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {test.n_rows} rows")
     est = fit(args, X, y, task)
     outputs = _predictions(args, est, test.batches(X.schema, args.batch_rows))

@@ -66,6 +66,22 @@ def _threaded(method):
     return run
 
 
+def _fit_or_keep(fit):
+    """A fit that raises leaves the estimator as it was before the call: fitted with its old model and classes, or
+    unfitted (NotFittedError), never with the new classes or columns read before the error and the old contexts.
+    The fitted attributes are rebound by a fit, never changed in place, so the old ones are whole."""
+    @functools.wraps(fit)
+    def run(self, *args, **kwargs):
+        before = dict(self.__dict__)
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+    return run
+
+
 _VIEW_LIST = [tuple, list, str]
 _BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _VIEW_LIST,
                      "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None],
@@ -478,6 +494,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.calibrate = calibrate
         self.linear_blend = linear_blend
 
+    @_fit_or_keep
     @_threaded
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
         """Preprocess and encode the train rows; y: class labels (any hashable values of one kind)."""

@@ -15,13 +15,18 @@ import torch
 from sklearn.base import RegressorMixin
 from sklearn.utils.validation import column_or_1d
 
-from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _TabFMBase, _threaded
+from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _fit_or_keep, _TabFMBase, _threaded
 from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells, check_table_shape, unmask
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
+
+
+MAX_TARGET = 1e307
+"""Largest target magnitude: the bins of a prediction reach beyond the train targets, and their ends, the ridge's
+part and the model's must all stay below float64's limit (1.8e308)."""
 
 
 class TabFMRegressor(RegressorMixin, _TabFMBase):
@@ -61,6 +66,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.target_transforms = target_transforms
         self.linear_base = linear_base
 
+    @_fit_or_keep
     @_threaded
     def fit(self, X: Any, y: Any) -> TabFMRegressor:
         """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
@@ -73,6 +79,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             raise ValueError("y must hold numbers for a regressor (use TabFMClassifier for labels)") from None
         if not np.isfinite(y).all():
             raise ValueError("y holds NaN or inf: drop those rows or fill in their targets")
+        if np.abs(y).max(initial=0.0) > MAX_TARGET:
+            raise ValueError(f"y reaches {np.abs(y).max():.3g}: targets beyond +-{MAX_TARGET:g} leave the predictive "
+                             "distribution no room below float64's limit (1.8e308); divide y by a power of ten first")
         self._target_kinds()
         model = self._prepare()
         self._fit_common(X, y, self.n_estimators, model)
@@ -128,15 +137,18 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             stats[units, 0] = mean.double().cpu().numpy()[:, 0]
             stats[units, 1] = std.double().cpu().numpy()[:, 0]
         points, edges_y = [], []
+        top = np.finfo(np.float64).max
         for u, m in enumerate(self.context_members_):
             to_y = lambda z, u=u, m=m: self.target_scale_.inverse(self.target_maps_[m].inverse(z * stats[u, 1] + stats[u, 0]))  # noqa: E731
-            points.append(to_y(bin_points(edges)))
-            edges_y.append(np.maximum.accumulate(to_y(sub_edges(edges))))
+            with np.errstate(over="ignore"):  # bins past float64's range (targets near 1e308) end at its limit
+                points.append(np.clip(to_y(bin_points(edges)), -top, top))
+                edges_y.append(np.maximum.accumulate(np.clip(to_y(sub_edges(edges)), -top, top)))
         self.bin_points_y_, self.bin_edges_y_ = np.stack(points), np.stack(edges_y)
 
     def _mean_of(self, probs: np.ndarray, units: np.ndarray) -> np.ndarray:
         """The ensemble's mean [n] from the members' bin probabilities [M, n, nb] and their rows' contexts [M, n]."""
-        return np.mean([mapped_mean(probs[m], self.bin_points_y_[units[m]]) for m in range(self.n_members_)], axis=0)
+        M = self.n_members_  # divided before the sum, as in mapped_mean: no overflow for targets near 1e308
+        return np.sum([mapped_mean(probs[m], self.bin_points_y_[units[m]]) / M for m in range(M)], axis=0)
 
     @_threaded
     def predict(self, X: Any) -> np.ndarray:

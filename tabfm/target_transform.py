@@ -15,6 +15,7 @@ SUBPOINTS per bin), not of its mean pushed through a non-linear map.
 
 from __future__ import annotations
 
+
 import warnings
 from dataclasses import dataclass
 
@@ -118,8 +119,10 @@ def sub_edges(edges: np.ndarray, subpoints: int = SUBPOINTS) -> np.ndarray:
 
 def mapped_mean(probs: np.ndarray, points_y: np.ndarray) -> np.ndarray:
     """Mean in target units [n] of a binned distribution probs [n, nb] whose bins' points map to points_y
-    ([nb, S] for every row, or [n, nb, S] per row; uniform density inside a bin)."""
-    return (probs * points_y.mean(-1)).sum(-1)
+    ([nb, S] for every row, or [n, nb, S] per row; uniform density inside a bin). Each point is divided before
+    the sums, so targets near the float64 limit (1e307) do not overflow them: every partial sum stays within the
+    largest point."""
+    return (probs * (points_y / points_y.shape[-1]).sum(-1)).sum(-1)
 
 
 def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.ndarray) -> np.ndarray:
@@ -128,7 +131,11 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
     probs[m] [n, nb]: member m's bin probabilities; edges_y[m]: the member's sub-bin edges mapped to target units
     (monotone), [nb * S + 1] shared by all rows or [n, nb * S + 1] per row (a member whose rows came from
     different contexts). Each member's CDF is linear between its mapped sub-edges; the mixture's CDF is evaluated
-    on the union of all members' edges and inverted by linear interpolation."""
+    on the union of all members' edges and inverted by linear interpolation. Edges beyond 2^1000 in magnitude
+    (targets near the float64 limit) are divided by 2^64 first and the quantiles multiplied back, exactly, so that
+    the differences of edges cannot overflow."""
+    if max(float(np.max(np.abs(e))) for e in edges_y) > 2.0 ** 1000:
+        return 2.0 ** 64 * mixture_quantiles(probs, [np.asarray(e) * 2.0 ** -64 for e in edges_y], q)
     n = probs[0].shape[0]
     edges = [np.broadcast_to(e, (n, np.shape(e)[-1])) for e in edges_y]
     grid = np.ascontiguousarray(np.sort(np.concatenate(edges, axis=1), axis=1))  # [n, G], C order
@@ -140,7 +147,8 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
         idx = torch.searchsorted(torch.from_numpy(np.array(e, order="C")), torch.from_numpy(grid), right=True)
         idx = np.clip(idx.numpy() - 1, 0, e.shape[1] - 2)
         lo, hi = e[rows, idx], e[rows, idx + 1]
-        frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
+        with np.errstate(over="ignore"):  # a point past an empty sub-bin: inf, which the clip makes 1
+            frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
         cdf += cum[rows, idx] + (cum[rows, idx + 1] - cum[rows, idx]) * frac
     cdf /= len(probs)
     out = np.empty((n, len(q)))

@@ -97,6 +97,25 @@ def test_a_whole_number_price_is_regression_and_the_choice_is_said(tmp_path, cap
     assert capsys.readouterr().err == ""
 
 
+def test_a_small_fractional_target_is_regression_and_numeric_classes_are_said_even_when_quiet(tmp_path, capsys):
+    """18 measurements on 18 rows were read as 18 classes, the predictions snapped to train values, and --quiet
+    hid the line that said so."""
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=18)
+    pl.DataFrame({"a": a, "y": np.round(a * 3 + rng.normal(size=18) * 0.1, 3)}).write_csv(tmp_path / "small.csv")
+    pl.DataFrame({"a": [0.0, 1.0, 2.0]}).write_csv(tmp_path / "t.csv")
+    argv = ["predict", "--train", str(tmp_path / "small.csv"), "--target", "y", "--test", str(tmp_path / "t.csv"),
+            "--n-estimators", "1", "--quiet"]
+    assert main([*argv, "-o", str(tmp_path / "reg.csv")]) == 0
+    assert capsys.readouterr().err == ""
+    pred = pl.read_csv(tmp_path / "reg.csv")["y"].to_numpy()
+    assert not set(pred.tolist()) & set(np.round(a * 3, 3).tolist()) and pred[0] < pred[1] < pred[2]
+    pl.DataFrame({"a": a, "y": (a > 0).astype(int)}).write_csv(tmp_path / "codes.csv")
+    assert main([*argv[:2], str(tmp_path / "codes.csv"), *argv[3:], "-o", str(tmp_path / "cls.csv")]) == 0
+    assert "tabfm predict: warning: task: classification, as the target 'y' has only 2 distinct values" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("values, task", [
     (list(range(200_000, 200_200)), "regression"),  # whole-number prices
     ([i % 23 for i in range(100)], "regression"),  # a count with 23 distinct values
@@ -105,6 +124,8 @@ def test_a_whole_number_price_is_regression_and_the_choice_is_said(tmp_path, cap
     ([1 + i % 5 for i in range(100)], "classification"),  # ratings 1..5
     ([i % 20 for i in range(100)], "classification"),  # MAX_AUTO_CLASSES codes
     ([0.5, 1.5, 2.5] * 10, "classification"),
+    ([0.5, 1.5, 2.5, 3.25], "regression"),  # fractional, one row per value: no classes
+    ([0.0, 1.0, 2.0, 3.0], "classification"),  # whole numbers: codes, however few rows
     ([f"c{i}" for i in range(100)], "classification"),  # text, however many values
     ([True, False] * 10, "classification"),
 ])

@@ -146,3 +146,52 @@ def test_huge_magnitudes_predict_finitely(Est, huge, missing):
     est = Est(n_estimators=2).fit(X, y)
     out = est.predict_proba(X) if Est is TabFMClassifier else est.predict(X)
     assert np.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Found by a hunt over odd inputs (2026-12-05)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_a_failed_refit_keeps_the_fitted_model_and_a_failed_first_fit_leaves_it_unfitted():
+    """A refit that failed on its X had already set the new classes: the old model's answers came out relabelled
+    with three columns. Now the estimator is as it was before the call."""
+    from sklearn.exceptions import NotFittedError
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 3))
+    y = (X[:, 0] > 0).astype(int)
+    clf = TabFMClassifier(n_estimators=1, n_jobs=1).fit(X, y)
+    before = clf.predict_proba(X[:6])
+    X_bad = X.astype(object)
+    X_bad[0, 2] = "oops"
+    with pytest.raises(ValueError, match="mixes numbers and strings"):
+        clf.fit(X_bad, np.array(["cat", "dog", "emu"] * 20))
+    assert clf.classes_.tolist() == [0, 1] and np.array_equal(clf.predict_proba(X[:6]), before)
+    fresh = TabFMClassifier(n_estimators=1, n_jobs=1)
+    with pytest.raises(ValueError, match="rows"):
+        fresh.fit(X, y[:-1])
+    with pytest.raises(NotFittedError):
+        fresh.predict(X)
+    reg = TabFMRegressor(n_estimators=1, n_jobs=1).fit(X, X[:, 0])
+    want = reg.predict(X[:6])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        reg.fit(X[:, :2], np.full(60, np.nan))
+    assert reg.n_features_in_ == 3 and np.array_equal(reg.predict(X[:6]), want)
+
+
+@pytest.mark.parametrize("low, high", [(-1e307, 1e307), (0.0, 1e307)])
+@pytest.mark.parametrize("linear_base", [True, False])
+def test_targets_near_the_float64_limit_predict_finitely_and_beyond_it_are_refused(low, high, linear_base):
+    """y of +-1e307 predicted NaN (the bins' mean summed past float64's limit); now finite, on the right side,
+    with ordered quantiles, and y past MAX_TARGET is refused in one line."""
+    X = np.random.default_rng(0).normal(size=(60, 2))
+    y = np.where(X[:, 0] > 0, high, low)
+    reg = TabFMRegressor(n_estimators=2, n_jobs=1, linear_base=linear_base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no overflow anywhere on the way
+        pred, q = reg.fit(X, y).predict(X), reg.predict_quantiles(X, (0.1, 0.5, 0.9))
+    assert np.isfinite(pred).all() and np.isfinite(q).all() and (np.diff(q, axis=1) >= 0).all()
+    mid = (low + high) / 2
+    assert ((pred > mid) == (y > mid)).mean() > 0.9  # the model still separates the two levels
+    with pytest.raises(ValueError, match="divide y by a power of ten"):
+        TabFMRegressor(n_estimators=1).fit(X, y * 17)
