@@ -57,6 +57,9 @@ class Column:
     index: int
     kind: str
     categories: tuple[str, ...] = ()
+    values: str | None = None
+    """A numeric column's values by their type (value_kind: numbers, dates, durations...); None where the cells
+    decided (object columns) or in estimators saved before it was kept."""
 
 
 @dataclass
@@ -242,6 +245,48 @@ def _polars_column(col: Any, name: str) -> tuple[str, np.ndarray] | list:
     if dtype.is_temporal():
         return "numeric", _temporal_seconds(col.to_arrow())
     return col.to_list()
+
+
+def value_kind(col: Any) -> str | None:
+    """What a numeric-looking column's type says its values are: "numbers", "dates", "dates with a time zone",
+    "times of day" or "durations"; None where the cells decide (object columns, strings, categoricals). All of
+    them reach the model as float seconds, so only this tells dates from numbers between fit and predict."""
+    module = type(col).__module__
+    if module.startswith("polars"):
+        import polars as pl
+
+        dtype = col.dtype
+        if dtype.is_numeric():
+            return "numbers"
+        if isinstance(dtype, pl.Datetime):
+            return "dates with a time zone" if dtype.time_zone else "dates"
+        return {pl.Date: "dates", pl.Time: "times of day", pl.Duration: "durations"}.get(dtype.base_type())
+    if module.startswith("pandas"):
+        import pandas as pd
+
+        dtype = col.dtype
+        if isinstance(dtype, pd.CategoricalDtype):
+            return None
+        if isinstance(dtype, pd.PeriodDtype):
+            return "dates"
+        if isinstance(dtype, pd.ArrowDtype) and _is_arrow_temporal(dtype.pyarrow_dtype):
+            import pyarrow as pa
+
+            t = dtype.pyarrow_dtype
+            if pa.types.is_timestamp(t):
+                return "dates with a time zone" if t.tz else "dates"
+            return "dates" if pa.types.is_date(t) else "times of day" if pa.types.is_time(t) else "durations"
+        if isinstance(dtype, pd.DatetimeTZDtype):
+            return "dates with a time zone"
+        if pd.api.types.is_datetime64_any_dtype(dtype):
+            return "dates"
+        if pd.api.types.is_timedelta64_dtype(dtype):
+            return "durations"
+        if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
+            return "numbers"
+        return None
+    kind = getattr(np.asarray(col).dtype, "kind", "O") if not hasattr(col, "dtype") else col.dtype.kind
+    return {"i": "numbers", "u": "numbers", "f": "numbers", "M": "dates", "m": "durations"}.get(kind)
 
 
 def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
@@ -467,7 +512,7 @@ class TablePreprocessor:
                 seen = raw[~np.isnan(raw)]
                 if len(np.unique(seen)) <= 1 and len(seen) in (0, n):
                     continue  # constant, or no value at all
-                columns.append(Column(name, i, "numeric"))
+                columns.append(Column(name, i, "numeric", values=value_kind(col)))
                 raw_numeric.append(raw)
             else:
                 cats = _fit_categories(raw, _dtype_categories(col))
@@ -537,6 +582,10 @@ class TablePreprocessor:
                                      "pass the same kind of data as at fit")
                 if np.isinf(raw).any():
                     raise ValueError(f"column {c.name!r} holds inf; replace it with a finite value or NaN (missing)")
+                now = value_kind(cols[c.index])
+                if c.values and now and now != c.values and not np.isnan(raw).all():
+                    raise ValueError(f"column {c.name!r} held {c.values} at fit but {now} now; pass {c.values} as at "
+                                     f"fit (both reach the model as numbers, so these would be read as {c.values})")
                 values[:, j] = raw
             else:
                 if kind == "numeric":

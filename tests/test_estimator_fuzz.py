@@ -195,3 +195,24 @@ def test_targets_near_the_float64_limit_predict_finitely_and_beyond_it_are_refus
     assert ((pred > mid) == (y > mid)).mean() > 0.9  # the model still separates the two levels
     with pytest.raises(ValueError, match="divide y by a power of ten"):
         TabFMRegressor(n_estimators=1).fit(X, y * 17)
+
+
+@pytest.mark.parametrize("at_predict, now", [
+    (pd.DataFrame({"t": [1.0, 2.0]}), "numbers"),
+    (pd.DataFrame({"t": pd.to_timedelta([1, 2], unit="s")}), "durations"),
+    (pd.DataFrame({"t": pd.date_range("2020", periods=2, freq="h", tz="UTC")}), "dates with a time zone"),
+    (pl.DataFrame({"t": [dt.time(1), dt.time(2)]}), "times of day"),
+])
+def test_a_date_column_takes_dates_at_predict_and_says_what_it_got_instead(at_predict, now):
+    """A column fitted as dates took plain numbers, durations or zoned times at predict without a word (all reach
+    the model as seconds); dates of either library, missing cells and a saved estimator behave as before."""
+    X = pd.DataFrame({"t": pd.date_range("2020", periods=60, freq="h")})
+    clf = TabFMClassifier(n_estimators=1, n_jobs=1).fit(X, [0, 1] * 30)
+    with pytest.raises(ValueError, match=f"column 't' held dates at fit but {now} now; pass dates as at fit"):
+        clf.predict(at_predict)
+    want = clf.predict_proba(X[:3])
+    np.testing.assert_allclose(clf.predict_proba(pl.from_pandas(X[:3])), want, rtol=1e-6)
+    assert clf.predict(pd.DataFrame({"t": [None, None]})).shape == (2,)
+    numbers = TabFMClassifier(n_estimators=1, n_jobs=1).fit(np.arange(60.0)[:, None], [0, 1] * 30)
+    with pytest.raises(ValueError, match="held numbers at fit but dates now"):
+        numbers.predict(np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[D]")[:, None])
