@@ -8,7 +8,9 @@ A saved estimator is a folder of two files:
                          mapped bins, each context's statistics and the keys/values of every KVCache
 
 A folder rather than one file: the JSON can be read (and diffed) with any tool, the arrays with any safetensors
-reader, and a damaged part is named. The folder is written beside its destination and renamed into place, so a
+reader, and a damaged part is named. Each array's SHA-256 is in the JSON, and the JSON's in the safetensors header,
+so that a flipped bit anywhere is refused at load instead of moving predictions (folders saved before the digests
+load unchecked). The folder is written beside its destination and renamed into place, so a
 failed save leaves nothing behind and an earlier save at the same path intact.
 
 Objects are rebuilt only from a whitelist of classes (_CLASSES): scikit-learn transformers from their
@@ -20,6 +22,7 @@ weights (checkpoint=None) or the checkpoint path, which must exist at load.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -40,6 +43,8 @@ dtype="bfloat16" (bfloat16 weights), which are refused: refit them with precisio
 READABLE_VERSIONS = (2, FORMAT_VERSION)
 META_FILE = "estimator.json"
 ARRAYS_FILE = "arrays.safetensors"
+JSON_DIGEST = "estimator_json_sha256"
+"""The key of the JSON's SHA-256 in the safetensors header's metadata."""
 
 
 def _whitelist() -> dict[str, type]:
@@ -240,6 +245,8 @@ def save_estimator(est: Any, path: str | Path) -> None:
         raise ValueError("cannot save an estimator fitted with tensor_parallel (each rank holds only its share of "
                          "the caches): fit it with tensor_parallel=None to save it")
     path = Path(path)
+    if path.is_symlink():  # a link to a saved estimator: replace what it points to and keep the link
+        path = path.resolve()
     if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE}):
         raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
     if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
@@ -250,18 +257,31 @@ def save_estimator(est: Any, path: str | Path) -> None:
     meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
             "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
             "attributes": encoder.encode(attributes, "")}
-    meta["arrays"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                      for name, t in encoder.arrays.items()}
+    meta["arrays"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                             "sha256": _digest(t)} for name, t in encoder.arrays.items()}
     text = json.dumps(meta, indent=1, allow_nan=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.mkdir()  # beside the destination (one file system), with the user's usual permissions
     try:
-        (tmp / META_FILE).write_text(text)
-        save_file(encoder.arrays, str(tmp / ARRAYS_FILE), metadata={"format_version": str(FORMAT_VERSION)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # beside the destination (one file system), with the user's usual permissions
+    except OSError as e:
+        raise ValueError(f"cannot save to {str(path)!r}: {e.strerror} ({e.filename}); choose a path in a folder "
+                         "you can write") from None
+    try:
+        (tmp / META_FILE).write_bytes(text.encode())
+        save_file(encoder.arrays, str(tmp / ARRAYS_FILE), metadata={
+            "format_version": str(FORMAT_VERSION), JSON_DIGEST: hashlib.sha256(text.encode()).hexdigest()})
         _replace_folder(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes as safetensors stores them (row-major, any dtype)."""
+    flat = t.detach().to("cpu").reshape(-1)
+    if flat.stride(0) != 1:  # a broadcast or empty tensor (stride 0): its bytes laid out first
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+    return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).hexdigest()
 
 
 def _replace_folder(new: Path, path: Path) -> None:
@@ -302,7 +322,10 @@ def _read_meta(folder: Path, cls: type) -> dict[str, Any]:
     """The JSON of a saved estimator, checked for its format version and class."""
     file = _inside(folder, META_FILE)
     try:
-        meta = json.loads(file.read_text())
+        meta = json.loads(file.read_bytes())
+    except RecursionError:
+        raise ValueError(f"{str(file)!r} nests too deeply to be a tabfm estimator file: the saved estimator is "
+                         "damaged; save it again") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{str(file)!r} is not valid JSON ({e}): the saved estimator is damaged; save it "
                          "again") from None
@@ -330,14 +353,21 @@ def _tabfm_version() -> str:
 
 def _read_arrays(folder: Path, table: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The safetensors file, checked to hold exactly the arrays the JSON names, with their dtypes and shapes."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     file = _inside(folder, ARRAYS_FILE)
     try:
         arrays = load_file(str(file), device="cpu")
+        with safe_open(str(file), framework="pt") as f:
+            header = f.metadata() or {}
     except Exception as e:  # safetensors raises its own error types for a truncated or garbled file
         raise ValueError(f"{str(file)!r} is not a readable safetensors file ({e}): the saved estimator is damaged; "
                          "save it again") from None
+    json_digest = header.get(JSON_DIGEST)
+    if json_digest is not None and hashlib.sha256(_inside(folder, META_FILE).read_bytes()).hexdigest() != json_digest:
+        raise ValueError(f"{META_FILE} in {str(folder)!r} is not the file saved with {ARRAYS_FILE} (its SHA-256 "
+                         "differs): the saved estimator was changed or damaged; save it again")
     if set(arrays) != set(table):
         missing, extra = sorted(set(table) - set(arrays)), sorted(set(arrays) - set(table))
         raise ValueError(f"{str(file)!r} does not match {META_FILE} (missing arrays {missing[:5]}, unexpected "
@@ -347,6 +377,9 @@ def _read_arrays(folder: Path, table: dict[str, Any]) -> dict[str, torch.Tensor]
         if str(t.dtype).removeprefix("torch.") != want["dtype"] or list(t.shape) != want["shape"]:
             raise ValueError(f"array {name!r} in {str(file)!r} is {t.dtype} {list(t.shape)} but {META_FILE} says "
                              f"{want['dtype']} {want['shape']}: the saved estimator is damaged; save it again")
+        if "sha256" in want and _digest(t) != want["sha256"]:
+            raise ValueError(f"array {name!r} in {str(file)!r} does not have the SHA-256 {META_FILE} gives: the "
+                             "saved estimator is damaged; save it again")
     return arrays
 
 
@@ -390,9 +423,10 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         if meta["format_version"] == 2:
             _from_version_2(params, attributes)
         est = cls(**params)
+        est._validate_params()  # the parameters as fit would have checked them
     except ValueError as e:
         raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: torch's, e.g. a bad device
         raise ValueError(f"cannot load {str(folder)!r}: {META_FILE} is damaged ({type(e).__name__}: {e}); save the "
                          "estimator again") from None
     checkpoint = params.get("checkpoint")

@@ -4,6 +4,7 @@ rows, damaged or foreign files are refused with one clear ValueError, and pickli
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import pickle
 import shutil
@@ -17,7 +18,7 @@ from sklearn.exceptions import NotFittedError
 
 from tabfm import estimator as estimator_module
 from tabfm.estimator import DEFAULT_CHECKPOINT, TabFMClassifier, TabFMRegressor
-from tabfm.persist import ARRAYS_FILE, FORMAT_VERSION, META_FILE, _Decoder, _Encoder
+from tabfm.persist import ARRAYS_FILE, FORMAT_VERSION, JSON_DIGEST, META_FILE, _Decoder, _Encoder
 
 
 def table(n: int, seed: int = 0) -> pd.DataFrame:
@@ -132,10 +133,26 @@ def test_pickling_still_works_and_an_unpickled_estimator_saves_its_caches(fitted
     np.testing.assert_array_equal(loaded.predict_proba(X_test), clf.predict_proba(X_test))
 
 
-def _edit_json(path: Path, edit) -> None:
+def _write_json(path: Path, text: str, seal: bool = True) -> None:
+    """Write a saved estimator's JSON as a writer of such a file would: with its SHA-256 in the arrays file's header
+    (`seal`), or without one, as tabfm wrote before the digests."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    (path / META_FILE).write_text(text)
+    arrays_file = str(path / ARRAYS_FILE)
+    with safe_open(arrays_file, framework="pt") as f:
+        header = dict(f.metadata() or {})
+    header.pop(JSON_DIGEST, None)
+    if seal:
+        header[JSON_DIGEST] = hashlib.sha256(text.encode()).hexdigest()
+    save_file(load_file(arrays_file), arrays_file, metadata=header)
+
+
+def _edit_json(path: Path, edit, seal: bool = True) -> None:
     meta = json.loads((path / META_FILE).read_text())
     edit(meta)
-    (path / META_FILE).write_text(json.dumps(meta))
+    _write_json(path, json.dumps(meta), seal)
 
 
 def test_another_format_version_is_refused(copy_of):
@@ -160,13 +177,16 @@ def test_bf16_estimator_round_trips_its_precision_and_bfloat16_caches(tmp_path, 
 
 
 def _as_version_2(meta: dict) -> None:
-    """What tabfm wrote before precision existed: format version 2, no precision parameter or attribute."""
+    """What tabfm wrote before precision existed: format version 2, no precision parameter or attribute (and no
+    digests: _edit_json(..., seal=False))."""
     meta["format_version"] = 2
     del meta["params"]["fields"]["precision"], meta["attributes"]["fields"]["precision_"]
+    for entry in meta["arrays"].values():
+        del entry["sha256"]
 
 
 def test_version_2_files_load_as_fp32(copy_of, fitted_classifier, monkeypatch):
-    _edit_json(copy_of, _as_version_2)
+    _edit_json(copy_of, _as_version_2, seal=False)
     no_encoding(monkeypatch)
     loaded = TabFMClassifier.load(copy_of)
     assert (loaded.precision, loaded.precision_) == ("fp32", "fp32")
@@ -175,7 +195,8 @@ def test_version_2_files_load_as_fp32(copy_of, fitted_classifier, monkeypatch):
 
 
 def test_version_2_files_of_bfloat16_weights_are_refused(copy_of):
-    _edit_json(copy_of, lambda meta: (_as_version_2(meta), meta["params"]["fields"].update(dtype="bfloat16")))
+    _edit_json(copy_of, lambda meta: (_as_version_2(meta), meta["params"]["fields"].update(dtype="bfloat16")),
+               seal=False)
     with pytest.raises(ValueError, match="fitted with dtype='bfloat16' .* fit it again with precision='bf16'"):
         TabFMClassifier.load(copy_of)
 
@@ -199,6 +220,77 @@ def test_a_missing_or_damaged_arrays_file_is_refused(copy_of):
         TabFMClassifier.load(copy_of)
 
 
+def test_a_flipped_bit_in_an_array_or_an_edit_of_the_json_is_refused(copy_of, saved_classifier):
+    """A bit flipped in an array's data (the preprocessor's column peaks) loaded and moved predictions; the arrays'
+    and the JSON's SHA-256 now refuse it, and the intact copy still loads."""
+    from safetensors import safe_open
+
+    arrays = copy_of / ARRAYS_FILE
+    blob = bytearray(arrays.read_bytes())
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + header_len])
+    name = next(k for k in header if k.startswith("preprocessor_.peak_"))
+    start = 8 + header_len + header[name]["data_offsets"][0]
+    blob[start + 6] ^= 0x10  # an exponent bit of the first float64
+    arrays.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=f"array '{name}' .* does not have the SHA-256"):
+        TabFMClassifier.load(copy_of)
+    shutil.copy(saved_classifier / ARRAYS_FILE, arrays)
+    text = (copy_of / META_FILE).read_text()
+    (copy_of / META_FILE).write_text(text.replace('"temperature_": ', '"temperature_":  ', 1))  # same meaning
+    with pytest.raises(ValueError, match=f"{META_FILE} .* is not the file saved with {ARRAYS_FILE}"):
+        TabFMClassifier.load(copy_of)
+    with safe_open(str(saved_classifier / ARRAYS_FILE), framework="pt") as f:
+        assert f.metadata()[JSON_DIGEST] == hashlib.sha256((saved_classifier / META_FILE).read_bytes()).hexdigest()
+    TabFMClassifier.load(saved_classifier)
+
+
+@pytest.mark.parametrize("tensor", [torch.zeros(0, dtype=torch.int64).expand(0), torch.arange(2.0)[:, None].expand(2, 3),
+                                    torch.ones(1).expand(1), torch.arange(4, dtype=torch.bfloat16), torch.tensor(3)])
+def test_digests_read_the_bytes_safetensors_writes_whatever_the_strides(tensor):
+    """An empty tensor of stride 0 (a fitted estimator at 1,000 rows holds one) could not be viewed as bytes."""
+    from tabfm.persist import _digest
+
+    laid_out = tensor.contiguous().clone()
+    assert _digest(tensor) == _digest(laid_out) == hashlib.sha256(laid_out.reshape(-1).view(torch.uint8).numpy()
+                                                                    .tobytes()).hexdigest()
+
+
+def test_save_through_a_link_replaces_its_target_and_a_file_in_the_way_is_one_line(fitted_classifier, tmp_path):
+    """Saving through a link to a saved estimator replaced the link by a folder and left '.link.old-PID' behind;
+    a file where a parent folder should be raised a bare FileExistsError."""
+    clf, X_test = fitted_classifier
+    clf.save(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    clf.save(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "link").predict_proba(X_test),
+                                  clf.predict_proba(X_test))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="cannot save to .*a_file/m'.*choose a path"):
+        clf.save(tmp_path / "a_file" / "m")
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda meta: meta["params"]["fields"].update(n_estimators="abc"), "'n_estimators' parameter"),
+    (lambda meta: meta["attributes"]["fields"].update(device_={"kind": "device", "value": "xyz"}), "is damaged"),
+])
+def test_parameters_and_devices_a_fit_would_refuse_are_refused_at_load(copy_of, edit, message):
+    """Found by a hunt over damaged folders: n_estimators='abc' loaded and predicted, a device 'xyz' raised torch's
+    own RuntimeError (both in a JSON whose digest was written to match)."""
+    _edit_json(copy_of, edit)
+    with pytest.raises(ValueError, match=f"cannot load .*{message}") as e:
+        TabFMClassifier.load(copy_of)
+    assert "\n" not in str(e.value)
+
+
+def test_a_json_nested_past_python_s_recursion_limit_is_refused_in_one_line(copy_of):
+    _write_json(copy_of, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nests too deeply"):
+        TabFMClassifier.load(copy_of)
+
+
 def test_arrays_that_do_not_match_the_json_are_refused(copy_of):
     _edit_json(copy_of, lambda meta: meta["arrays"]["context_rows_"].update(shape=[2, 7]))
     with pytest.raises(ValueError, match="array 'context_rows_' .* says int64 \\[2, 7\\]"):
@@ -208,8 +300,8 @@ def test_arrays_that_do_not_match_the_json_are_refused(copy_of):
 def test_an_unknown_transformer_class_is_refused(copy_of):
     text = (copy_of / META_FILE).read_text()
     assert '"sklearn.preprocessing.StandardScaler"' in text
-    (copy_of / META_FILE).write_text(text.replace('"sklearn.preprocessing.StandardScaler"',
-                                                  '"sklearn.preprocessing.FunctionTransformer"'))
+    _write_json(copy_of, text.replace('"sklearn.preprocessing.StandardScaler"',
+                                      '"sklearn.preprocessing.FunctionTransformer"'))
     with pytest.raises(ValueError, match="'sklearn.preprocessing.FunctionTransformer', which tabfm does not load"):
         TabFMClassifier.load(copy_of)
 
