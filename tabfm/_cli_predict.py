@@ -173,6 +173,9 @@ def load_train(args: argparse.Namespace):
     task, why = _task(args, y)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
+    if args.proba and args.target in {f"proba_{c}" for c in y.cast(str).unique().to_list()}:
+        raise ValueError(f"--proba writes a proba_CLASS column per class, and the target {args.target!r} is also one "
+                         "of them: rename the target column")
     return X, y, task, why
 
 
@@ -219,7 +222,8 @@ def run_prediction(args: argparse.Namespace) -> int:
         _say(args, why, warning=_numeric_classes(task, y))
     _say(args, f"{task}: fitting on {X.height} rows x {X.width} features, predicting {test.n_rows} rows")
     est = fit(args, X, y, task)
-    outputs = _predictions(args, est, test.batches(X.schema, args.batch_rows))
+    empty = [0]
+    outputs = _predictions(args, est, _counting_empty_rows(test.batches(X.schema, args.batch_rows), empty))
     if not _is_rank0():
         for _ in outputs:  # the other ranks' share of the work (and of the collectives)
             pass
@@ -234,7 +238,21 @@ def run_prediction(args: argparse.Namespace) -> int:
             bar.update(frame.height)
     if output is not None:
         _say(args, f"wrote {out.rows} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
+    if empty[0]:
+        _say(args, f"{args.test}: {empty[0]} of {test.n_rows} rows have every cell empty (blank lines?); each got a "
+             "prediction as a row with every feature missing, in its place. pandas' read_csv skips blank lines, so "
+             "its rows would not line up with these: remove the blank lines if they are not rows", warning=True)
     return 0
+
+
+def _counting_empty_rows(batches, count: list[int]):
+    """The batches as they are, adding to count[0] the rows whose every cell is missing (a blank line of a CSV
+    reads as one)."""
+    import polars as pl
+
+    for batch in batches:
+        count[0] += batch.select(pl.all_horizontal(pl.all().is_null())).to_series().sum()
+        yield batch
 
 
 @contextlib.contextmanager

@@ -214,7 +214,12 @@ def _ragged(p: Path, separator: str) -> str:
 
 
 def _check_header(p: Path, columns: Sequence[str]) -> None:
-    """polars renames a repeated column name to NAME_duplicated_0 without a word; refuse it instead."""
+    """polars renames a repeated column name to NAME_duplicated_0 without a word; refuse it instead. A column with
+    no name is refused too: it is nearly always the row index pandas' to_csv writes, which the model would take
+    for a feature (and which nothing could name in --target or --categorical)."""
+    if "" in columns:
+        raise TableError(f"{p}: column {list(columns).index('') + 1} has no name in the header (the row index that "
+                         "pandas' to_csv writes?): drop it (to_csv(..., index=False)) or give it a name")
     names = set(columns)
     for c in columns:
         m = re.fullmatch(r"(.*)_duplicated_\d+", c)

@@ -28,6 +28,7 @@ def tables(tmp_path):
     frame[:90].write_csv(tmp_path / "train.csv")
     frame[90:].drop("label").write_csv(tmp_path / "test.csv")  # keeps "amount": a feature when the target is label
     frame[90:].write_parquet(tmp_path / "test.parquet")
+    frame[:90].drop("label").with_columns(pl.Series("proba_b", ["a", "b"] * 45)).write_csv(tmp_path / "clash.csv")
     return tmp_path
 
 
@@ -142,6 +143,7 @@ def test_infer_task_counts_distinct_values_whole_or_not(values, task):
     (["--target", "amount", "--proba", "--test", "test.parquet"], "--proba is for classification"),
     (["--target", "label", "--test", "missing.csv"], "no such file"),
     (["--target", "label", "--local-context-rows", "1"], "--local-context-rows must be 0 (one context) or at least 2"),
+    (["--target", "proba_b", "--proba", "--train", "clash.csv"], "the target 'proba_b' is also one of them"),
 ])
 def test_predict_errors(tables, capsys, args, message):
     base = {"--train": str(tables / "train.csv"), "--test": str(tables / "test.csv")}
@@ -465,3 +467,18 @@ def test_sigterm_while_writing_removes_the_temporary_file(tmp_path):
     assert stop.value.code == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_blank_lines_in_the_test_file_are_predicted_in_place_and_said(tmp_path, capsys):
+    """A test CSV with 3 rows and 3 blank lines gave 6 predictions without a word (pandas reads 3 rows)."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=40)
+    pl.DataFrame({"a": a, "b": np.where(a > 0, "u", "v"), "y": (a > 0).astype(int)}).write_csv(tmp_path / "tr.csv")
+    (tmp_path / "te.csv").write_text("a,b\n1.0,u\n\n-1.0,v\n\n\n0.5,w\n")
+    argv = ["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+            "--n-estimators", "1", "--quiet", "-o", str(tmp_path / "p.csv")]
+    assert main(argv) == 0
+    assert "te.csv: 3 of 6 rows have every cell empty (blank lines?)" in capsys.readouterr().err
+    assert pl.read_csv(tmp_path / "p.csv").height == 6
+    (tmp_path / "te.csv").write_text("a,b\n1.0,u\n-1.0,v\n")
+    assert main([*argv, "--overwrite"]) == 0 and "blank lines" not in capsys.readouterr().err

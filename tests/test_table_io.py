@@ -116,6 +116,8 @@ UNREADABLE = [
     ("cut.parquet", PARQUET, "cannot read it as Parquet"),
     ("parquet.csv", PARQUET, "this is a Parquet file, not .csv text; name it .parquet"),
     ("dup.csv", b"a,b,a\n1,2,3\n", "column name 'a' appears more than once"),
+    ("index.csv", b",a,y\n0,1.5,p\n1,2.5,n\n", "column 1 has no name in the header (the row index that pandas' "
+     "to_csv writes?): drop it (to_csv(..., index=False)) or give it a name"),
     ("book.xlsx", b"PK\x03\x04", "unknown table format '.xlsx'"),
     ("semi.csv", b"a;c;y\n1,5;x,y;1\n", "the header 'a;c;y' is one column holding ';': the file looks "
      "semicolon-separated; pass --separator ';' (and --decimal-comma if its numbers are written 1,5), or save it"),
