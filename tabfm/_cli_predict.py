@@ -154,6 +154,12 @@ def load_train(args: argparse.Namespace):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
+    for column, example in [] if args.decimal_comma else table_io.thousands_text(train):
+        _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
+             f"if {example!r} is {example.replace(',', '')} (thousands separators) or "
+             f"{example.replace(',', '.', 1) if example.count(',') == 1 else 'a decimal comma'}: remove the "
+             "separators if they group thousands, or pass --decimal-comma if the comma is the decimal point",
+             warning=True)
     for column, example in [] if args.decimal_comma else table_io.decimal_comma_text(train):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)

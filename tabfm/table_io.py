@@ -286,16 +286,42 @@ def _decimal_point(s: pl.Series) -> pl.Series:
     return s.str.replace(",", ".", literal=True)
 
 
-def decimal_comma_text(df: pl.DataFrame) -> list[tuple[str, str]]:
-    """Text columns most of whose cells are numbers written with a decimal comma: (column, an example cell).
+THOUSANDS = r"^[+-]?[1-9]\d{0,2}(,\d{3})+(\.\d+)?$"
+"""A number written with thousands separators (1,000 or 12,345,678.5, never 0,125); a decimal comma writes 1,000
+too."""
 
-    Such a column (a semicolon export read without --decimal-comma) is read as categories, which is not what was
-    meant."""
+
+def thousands_text(df: pl.DataFrame) -> list[tuple[str, str]]:
+    """Text columns where most cells are numbers once cells such as 1,000 count as numbers, and every cell with a
+    comma reads so: (column, an example cell). Whether 1,000 is a thousand (a separator) or 1.0 (a decimal comma)
+    the file cannot say, so neither reading is taken for the user; without this a column of half 850 and half
+    1,000 was read as categories without a word."""
     import polars as pl
 
     found = []
     for name, dtype in df.schema.items():
         if dtype != pl.String:
+            continue
+        s = df.get_column(name).drop_nulls().str.strip_chars()
+        grouped = s.str.contains(THOUSANDS)
+        comma = s.str.contains(",", literal=True)
+        plain = s.cast(pl.Float64, strict=False).is_not_null()
+        if grouped.any() and (grouped == comma).all() and 2 * (grouped | plain).sum() > s.len():
+            found.append((name, s.filter(grouped)[0]))
+    return found
+
+
+def decimal_comma_text(df: pl.DataFrame) -> list[tuple[str, str]]:
+    """Text columns most of whose cells are numbers written with a decimal comma: (column, an example cell).
+
+    Such a column (a semicolon export read without --decimal-comma) is read as categories, which is not what was
+    meant. Columns whose commas all group thousands (thousands_text) are left to that warning."""
+    import polars as pl
+
+    found = []
+    grouped = {name for name, _ in thousands_text(df)}
+    for name, dtype in df.schema.items():
+        if dtype != pl.String or name in grouped:
             continue
         s = df.get_column(name).drop_nulls()
         comma = s.str.contains(",", literal=True) & _decimal_point(s).cast(pl.Float64, strict=False).is_not_null()

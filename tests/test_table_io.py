@@ -12,7 +12,7 @@ import pytest
 
 from tabfm import table_io
 from tabfm.table_io import (NA_VALUES, TableError, TableScan, TableWriter, check_output, decimal_comma_text,
-                            mostly_numeric_text, na_tokens, read_table, write_table)
+                            mostly_numeric_text, na_tokens, read_table, thousands_text, write_table)
 
 
 def _write(path, data: bytes | str):
@@ -135,6 +135,16 @@ def test_unreadable_files_give_one_line_naming_the_file(tmp_path, read, name, da
         read(f)
     text = str(err.value)
     assert text.startswith(f"{f}: ") and message in text and "\n" not in text
+
+
+def test_thousands_separators_are_reported_as_ambiguous_never_as_decimal_commas():
+    """A column of 1,000-style prices was advised --decimal-comma (which reads 1,010 as 1.01), and one of half 850
+    and half 1,000 was read as categories without a word."""
+    prices = pl.DataFrame({"p": [f"{v:,}" for v in range(850, 1150, 10)], "q": ["1,000", "x", "y"] * 10})
+    assert thousands_text(prices) == [("p", "1,000")] and decimal_comma_text(prices) == []
+    decimals = pl.DataFrame({"a": ["0,125", "1,250", "2,5"] * 4, "b": ["1,000", "1,5", "2"] * 4})
+    assert thousands_text(decimals) == [] and decimal_comma_text(decimals) == [("a", "0,125"), ("b", "1,000")]
+    assert thousands_text(pl.DataFrame({"big": ["12,345,678.5", "-1,000", "3"]})) == [("big", "12,345,678.5")]
 
 
 def test_a_separator_and_decimal_commas(tmp_path):
