@@ -236,10 +236,11 @@ def run_prediction(args: argparse.Namespace) -> int:
         return 0
     from tqdm.auto import tqdm
 
-    with _exit_on_sigterm(), table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
+    with _exit_on_sigterm(), _warnings_as_lines(args), \
+            table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
             tqdm(total=test.n_rows, desc="predict", unit="row", disable=args.quiet) as bar:
         for chunk in outputs:
-            frame = prediction_frame(args, est, chunk)
+            frame = prediction_frame(args, est, chunk, y.dtype)
             out.write(frame)
             bar.update(frame.height)
     if output is not None:
@@ -259,6 +260,16 @@ def _counting_empty_rows(batches, count: list[int]):
     for batch in batches:
         count[0] += batch.select(pl.all_horizontal(pl.all().is_null())).to_series().sum()
         yield batch
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(args: argparse.Namespace):
+    """Python warnings raised while predicting (e.g. categories never seen at fit) as the CLI's own warning lines,
+    not as a source path, a line number and the line of tabfm that warned."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, *rest, **kw: _say(args, str(message), warning=True)
+        yield
 
 
 @contextlib.contextmanager
@@ -313,14 +324,17 @@ def fit(args: argparse.Namespace, X, y, task: str):
         return est.fit(X, y_values)
 
 
-def prediction_frame(args: argparse.Namespace, est, outputs):
+def prediction_frame(args: argparse.Namespace, est, outputs, target_dtype=None):
     """The predictions of one chunk (outputs as tabfm.predict_stream.outputs_of gives them) as a DataFrame: the
-    target column (a classifier's label is its most probable class), then proba_CLASS columns with --proba."""
+    target column (a classifier's label is its most probable class, in the train target's type when that is
+    numeric: an integer target's labels are written as integers, not text), then proba_CLASS columns with --proba."""
     import polars as pl
 
     if not hasattr(est, "classes_"):
         return pl.DataFrame({args.target: outputs[:, 0]})
     labels = pl.Series(args.target, est.classes_[outputs.argmax(1)])
+    if target_dtype is not None and target_dtype.is_numeric():
+        labels = labels.cast(target_dtype)
     if not args.proba:
         return pl.DataFrame([labels])
     return pl.DataFrame([labels, *(pl.Series(f"proba_{c}", outputs[:, i]) for i, c in enumerate(est.classes_))])

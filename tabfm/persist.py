@@ -228,6 +228,8 @@ def _plain_params(est: Any) -> dict[str, Any]:
             return str(value)
         if isinstance(value, list | tuple):
             return type(value)(plain(name, v) for v in value)
+        if isinstance(value, np.ndarray) and value.ndim == 1:  # e.g. categorical_features as an array: a list
+            return [plain(name, v) for v in value.tolist()]
         raise ValueError(f"cannot save parameter {name}={value!r} ({type(value).__name__}): set it to a number, "
                          "string, list or None before saving")
     return {k: plain(k, v) for k, v in est.get_params(deep=False).items()}

@@ -340,8 +340,8 @@ def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> tuple[
     if "str" in kinds and len(kinds) > 1:
         example = next(v for v in out if isinstance(v, str))
         other = "numbers" if kinds - {"str"} == {"num"} else "dates or times"
-        raise ValueError(f"column {name!r} mixes {other} and strings (e.g. {example!r}): fix the bad cells, or "
-                         f"convert the whole column to strings to treat it as categorical")
+        raise ValueError(f"column {name!r} mixes {other} and strings or booleans (e.g. {example!r}): fix the bad "
+                         "cells, or convert the whole column to strings to treat it as categorical")
     if len(kinds) > 1:
         shown = " and ".join(sorted("numbers" if k == "num" else k for k in kinds))
         raise ValueError(f"column {name!r} mixes {shown}: give each column one kind of value (dates and datetimes "

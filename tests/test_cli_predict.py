@@ -482,3 +482,21 @@ def test_blank_lines_in_the_test_file_are_predicted_in_place_and_said(tmp_path, 
     assert pl.read_csv(tmp_path / "p.csv").height == 6
     (tmp_path / "te.csv").write_text("a,b\n1.0,u\n-1.0,v\n")
     assert main([*argv, "--overwrite"]) == 0 and "blank lines" not in capsys.readouterr().err
+
+
+def test_integer_labels_stay_integers_and_predict_warnings_are_the_cli_s_lines(tmp_path, capsys):
+    """An integer target's labels were written as text (Parquet str), and a warning raised while predicting came out
+    as Python's, with tabfm's source path and line."""
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=40)
+    pl.DataFrame({"a": a, "c": np.where(a > 0, "up", "down"), "y": (a > 0).astype(np.int64) * 7}).write_csv(
+        tmp_path / "tr.csv")
+    pl.DataFrame({"a": [1.0, -1.0, 0.5], "c": ["sideways", "sideways", "sideways"]}).write_csv(tmp_path / "te.csv")
+    argv = ["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+            "--n-estimators", "1", "--quiet", "-o", str(tmp_path / "p.parquet")]
+    assert main(argv) == 0
+    out = pl.read_parquet(tmp_path / "p.parquet")
+    assert out.schema == pl.Schema({"y": pl.Int64}) and set(out["y"].to_list()) <= {0, 7}
+    err = capsys.readouterr().err
+    assert "tabfm predict: warning: categorical columns hold mostly values never seen at fit" in err
+    assert "UserWarning" not in err and ".py:" not in err

@@ -245,8 +245,9 @@ def test_a_flipped_bit_in_an_array_or_an_edit_of_the_json_is_refused(copy_of, sa
     TabFMClassifier.load(saved_classifier)
 
 
-@pytest.mark.parametrize("tensor", [torch.zeros(0, dtype=torch.int64).expand(0), torch.arange(2.0)[:, None].expand(2, 3),
-                                    torch.ones(1).expand(1), torch.arange(4, dtype=torch.bfloat16), torch.tensor(3)])
+@pytest.mark.parametrize("tensor", [torch.zeros(0, dtype=torch.int64).expand(0),
+                                    torch.arange(2.0)[:, None].expand(2, 3), torch.ones(1).expand(1),
+                                    torch.arange(4, dtype=torch.bfloat16), torch.tensor(3)])
 def test_digests_read_the_bytes_safetensors_writes_whatever_the_strides(tensor):
     """An empty tensor of stride 0 (a fitted estimator at 1,000 rows holds one) could not be viewed as bytes."""
     from tabfm.persist import _digest
@@ -283,6 +284,16 @@ def test_parameters_and_devices_a_fit_would_refuse_are_refused_at_load(copy_of, 
     with pytest.raises(ValueError, match=f"cannot load .*{message}") as e:
         TabFMClassifier.load(copy_of)
     assert "\n" not in str(e.value)
+
+
+def test_an_array_parameter_saves_as_a_list(tmp_path):
+    """categorical_features=np.array([...]) fitted, but save refused the parameter."""
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=1, categorical_features=np.array(["colour"])).fit(X, np.arange(60) % 2)
+    clf.save(tmp_path / "m")
+    loaded = TabFMClassifier.load(tmp_path / "m")
+    assert loaded.categorical_features == ["colour"]
+    np.testing.assert_array_equal(loaded.predict_proba(X), clf.predict_proba(X))
 
 
 def test_a_json_nested_past_python_s_recursion_limit_is_refused_in_one_line(copy_of):
