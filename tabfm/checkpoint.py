@@ -25,7 +25,7 @@ tabfm.train_checkpoints.CheckpointManager.
 
 from __future__ import annotations
 
-from tabfm.checkpoint_convert import init_weights, load_merged, load_model, merge, reshard
+from tabfm.checkpoint_convert import check_init_from, init_weights, load_merged, load_model, merge, reshard
 from tabfm.checkpoint_format import DTYPES, FORMAT, MANIFEST, MERGED_FORMAT, MODEL, OPTIM, RNG, model_specs, rank_file
 from tabfm.checkpoint_inspect import MAX_MANIFEST_BYTES, inspect_checkpoint, read_manifest, verify_checkpoint
 from tabfm.checkpoint_io import CheckpointState, load_checkpoint, save_checkpoint
@@ -33,6 +33,6 @@ from tabfm.checkpoint_run import (LATEST, STEP_DIR, latest_checkpoint, mark_late
                                   step_checkpoints)
 
 __all__ = ["DTYPES", "FORMAT", "LATEST", "MANIFEST", "MAX_MANIFEST_BYTES", "MERGED_FORMAT", "MODEL", "OPTIM", "RNG",
-           "STEP_DIR", "CheckpointState", "init_weights", "inspect_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "STEP_DIR", "CheckpointState", "check_init_from", "init_weights", "inspect_checkpoint", "latest_checkpoint", "load_checkpoint",
            "load_merged", "load_model", "mark_latest", "merge", "model_specs", "prune_checkpoints", "rank_file",
            "read_latest", "read_manifest", "reshard", "save_checkpoint", "step_checkpoints", "verify_checkpoint"]

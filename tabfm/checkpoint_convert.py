@@ -19,7 +19,7 @@ import torch
 from tabfm.checkpoint_format import (DTYPES, MANIFEST, MERGED_FORMAT, MODEL, finish_folder, rank_file, save_tensors,
                                      spec_from_json)
 from tabfm.checkpoint_inspect import (check_finite, config_from_dict, gather_full, inspect_checkpoint, load_finite,
-                                      meta_model, no_constants, pos_int, read_header)
+                                      meta_model, no_constants, pos_int, read_header, read_manifest)
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
@@ -29,8 +29,8 @@ from tabfm.parallel_model import ParallelOptions, parallelize_model
 def _check_output(out: Path, source: Path, overwrite: bool, folder: bool) -> None:
     """Refuse to write over anything unless asked to, and never over the source, or (even when asked) over a
     folder that is not a checkpoint or a folder where a file is wanted."""
-    if out.resolve() == source.resolve():
-        raise ValueError(f"{out} is the checkpoint being read; write to another path")
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise ValueError(f"{out} is the checkpoint being read, or a file in its folder; write to another path")
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
@@ -153,18 +153,43 @@ the trained model than a fresh one (the shipped small model regrouped from 4 axi
 lost 0.002 ROC-AUC before any step; README, "Default checkpoint")."""
 
 
+def saved_model_config(path: str | Path) -> ModelConfig:
+    """The model config of a merged file or a checkpoint folder, read from its metadata or manifest alone (no
+    tensor): what a run checks `train.init_from` against before it starts (or deletes anything)."""
+    path = Path(path)
+    if path.is_dir():
+        return config_from_dict(read_manifest(path)["model_config"], f"{path}/{MANIFEST}: model_config")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such merged checkpoint file or checkpoint folder")
+    _, metadata = read_header(path)
+    if metadata.get("format") != MERGED_FORMAT or "model_config" not in metadata:
+        raise ValueError(f"{path} is not a merged tabfm checkpoint (metadata format {metadata.get('format')!r})")
+    try:
+        raw = json.loads(metadata["model_config"], parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: its metadata model_config is not valid JSON ({e})") from None
+    return config_from_dict(raw, f"{path}: metadata model_config")
+
+
+def check_init_from(path: str | Path, model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The fields in which the weights at `path` differ from `model`, all of them HEAD_COUNTS (regrouped at
+    init_weights); ValueError when any other field differs."""
+    changed = {k: (v, getattr(model, k)) for k, v in saved_model_config(path).to_dict().items()
+               if getattr(model, k) != v}
+    if set(changed) - set(HEAD_COUNTS):
+        raise ValueError(f"{path} holds a different model than this run builds (weights' value vs run's): "
+                         f"{changed}; set the run's model to the weights' config (head counts may differ), or start "
+                         "from other weights")
+    return changed
+
+
 def init_weights(model: TabFM, path: str | Path) -> dict[str, tuple[int, int]]:
     """Copy the weights of a merged file or checkpoint folder into `model`, a plain (not yet parallelized) model
     of the same config up to its HEAD_COUNTS: the start of a fine-tuning run or a new pretraining stage (the
     optimizer starts fresh). Returns the regrouped head counts, {field: (weights', run's)}, empty when none."""
     dtype = next(model.parameters()).dtype
+    changed = check_init_from(path, model.config)
     source = load_model(path, dtype=dtype)
-    changed = {k: (v, getattr(model.config, k)) for k, v in source.config.to_dict().items()
-               if getattr(model.config, k) != v}
-    if set(changed) - set(HEAD_COUNTS):
-        raise ValueError(f"{path} holds a different model than this run builds (weights' value vs run's): "
-                         f"{changed}; set the run's model to the weights' config (head counts may differ), or start "
-                         "from other weights")
     model.load_state_dict(source.state_dict())
     return changed
 

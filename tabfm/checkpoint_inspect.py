@@ -173,12 +173,23 @@ def _plain_value(v: Any) -> bool:
     return v is None or isinstance(v, int | float | str | bool)
 
 
+def own_file(ckpt_dir: Path, path: Path) -> Path:
+    """`path`, a file of the checkpoint folder, refused (ValueError) when it is a link: a checkpoint's files are
+    written into its folder, and a link would read (or let merge write over) a file outside it."""
+    if path.is_symlink() or (path.exists() and path.resolve().parent != ckpt_dir.resolve()):
+        raise ValueError(f"{path} is a link (to {path.resolve()}); a checkpoint reads only files of its own folder: "
+                         "copy the file in instead")
+    return path
+
+
 def read_manifest(ckpt_dir: str | Path) -> dict:
     """The manifest, checked for format, structure, types and consistency (ValueError naming the field)."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / MANIFEST
     if not ckpt_dir.is_dir():
-        raise ValueError(f"{ckpt_dir} is not a checkpoint folder (no such directory)")
+        what = "a file, not a folder" if ckpt_dir.is_file() else "no such directory"
+        raise ValueError(f"{ckpt_dir} is not a checkpoint folder ({what})")
+    own_file(ckpt_dir, path)
     if not path.is_file():
         raise ValueError(f"{ckpt_dir} has no {MANIFEST}: not a checkpoint, or its write never finished")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
@@ -268,7 +279,7 @@ def _check_headers(ckpt_dir: Path, manifest: dict) -> None:
     d0, d1 = manifest["layout"]["d0"], manifest["layout"]["d1"]
     cpu_rng = tuple(torch.get_rng_state().shape)
     for name, info in manifest["files"].items():
-        path = ckpt_dir / name
+        path = own_file(ckpt_dir, ckpt_dir / name)
         header, _ = read_header(path, info["bytes"])
         i, j = info["coord"]
         for key, meta in manifest["tensors"].items():
@@ -318,7 +329,7 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str,
 def read_rank_file(ckpt_dir: Path, manifest: dict, name: str) -> dict[str, torch.Tensor]:
     """One rank file's tensors, after its checksum (its header was checked by inspect_checkpoint); every
     floating-point tensor must be finite."""
-    path = ckpt_dir / name
+    path = own_file(ckpt_dir, ckpt_dir / name)
     info = manifest["files"][name]
     if not path.is_file() or path.stat().st_size != info["bytes"]:
         raise ValueError(f"{path} is missing or changed size since it was checked")

@@ -63,6 +63,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     the newest complete step_<digits> folder; None when there is none. A `latest` file naming anything but a
     step_<digits> folder is refused (ValueError)."""
     root = Path(out_dir) / "checkpoints"
+    if root.is_symlink():
+        raise ValueError(f"{root} is a link (to {root.resolve()}); a run reads checkpoints of its own folder only: "
+                         "copy them in, or point train.out_dir (or the command) at the run that holds them")
     pointer = root / LATEST
     if pointer.is_file():
         named = root / _pointer_name(pointer)

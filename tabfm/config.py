@@ -23,6 +23,8 @@ Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{typ
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +65,9 @@ class OptimConfig:
     """Clip the global gradient norm (over all shards) to this; 0 turns clipping off."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError("optim: need lr > 0, 0 <= min_lr_ratio <= 1 and warmup_steps >= 0")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:  # nan fails too
+            raise ValueError(f"optim: need a finite lr > 0 (got {self.lr}), 0 <= min_lr_ratio <= 1 and "
+                             "warmup_steps >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
             raise ValueError("optim: beta1 and beta2 must lie in [0, 1) and eps must be > 0")
         if self.weight_decay < 0 or self.grad_clip < 0:

@@ -119,15 +119,26 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
 
 
 def clear_run(out_dir: Path) -> str | None:
-    """Delete an earlier run's metrics log, plot and checkpoints from `out_dir`; say what was removed."""
+    """Delete an earlier run's metrics log, plot and checkpoints from `out_dir`; say what was removed. In
+    checkpoints/ only what a run writes goes (step_N folders and their .tmp / .old leftovers, `latest`): a file of
+    the user's there stays, and so does the folder then. Call check_run first: it refuses a linked checkpoints/."""
+    from tabfm.checkpoint_run import _LEFTOVER
+
     removed = []
     for name in RUN_FILES:
         path = out_dir / name
-        if path.is_dir():
-            count = sum(1 for p in path.glob("step_*") if p.is_dir())
-            shutil.rmtree(path)
-            removed.append(f"{path}/ ({count} checkpoint{'s' if count != 1 else ''})")
-        elif path.exists():
+        if path.is_dir() and not path.is_symlink():
+            ours = [p for p in path.iterdir() if (p.is_dir() and not p.is_symlink() and _LEFTOVER.fullmatch(p.name))
+                    or p.name in (ckpt.LATEST, ckpt.LATEST + ".tmp")]
+            count = sum(1 for p in ours if ckpt.STEP_DIR.fullmatch(p.name))
+            for p in ours:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            kept = any(path.iterdir())
+            if not kept:
+                path.rmdir()
+            removed.append(f"{path}/ ({count} checkpoint{'s' if count != 1 else ''}"
+                           f"{'; other files in it kept' if kept else ''})")
+        elif path.exists() or path.is_symlink():
             removed.append(str(path))
             path.unlink()
     return f"--overwrite removed {', '.join(removed)}" if removed else None
@@ -197,9 +208,39 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
     if cfg.parallel.layout == "auto" and cfg.parallel.topology != "measure":
         from tabfm.config import load_topology
 
-        load_topology(cfg.parallel.topology)  # a misspelled preset: here, not on rank 0 once every rank has started
+        # a misspelled preset, or one of another device count: here, not on rank 0 once every rank has started
+        load_topology(cfg.parallel.topology, world_size)
     resolve_device(cfg)
-    check_out_dir(Path(cfg.train.out_dir), resume, overwrite)
+    _check_tables_fit_model(cfg)
+    out_dir = Path(cfg.train.out_dir)
+    _check_out_dir_path(out_dir)
+    check_out_dir(out_dir, resume, overwrite)
+    if cfg.train.init_from and resume is None:  # resuming, a checkpoint takes precedence over init_from
+        ckpt.check_init_from(cfg.train.init_from, cfg.model)  # before --overwrite deletes anything
+
+
+def _check_tables_fit_model(cfg: RunConfig) -> None:
+    """The prior's widest tables and most classes within what the model takes (else the first such batch fails)."""
+    table, model = cfg.data.table, cfg.model
+    if table.max_features > model.max_columns:
+        raise ValueError(f"data.table.max_features={table.max_features} is more than the model takes "
+                         f"(model.max_columns={model.max_columns}): lower it, or use a model with more columns")
+    if table.max_classes > model.max_classes:
+        raise ValueError(f"data.table.max_classes={table.max_classes} is more than the model's head has "
+                         f"(model.max_classes={model.max_classes}): lower it")
+
+
+def _check_out_dir_path(out_dir: Path) -> None:
+    """train.out_dir must be (or become) a folder, and what a run writes there must not be a link out of it."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"train.out_dir={out_dir} is a file; give a folder")
+    blocker = next((p for p in out_dir.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"train.out_dir={out_dir} lies under {blocker}, which is a file; give a folder")
+    for name in ("config.yaml", "layout.json", *RUN_FILES):
+        if (out_dir / name).is_symlink():
+            raise ValueError(f"{out_dir / name} is a link (to {(out_dir / name).resolve()}); a run writes there and "
+                             "never through a link out of its folder: remove the link")
 
 
 def _config_error(message: str) -> int:

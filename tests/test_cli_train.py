@@ -45,6 +45,35 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_checkpoint_tools_never_write_into_or_read_through_links_out_of_the_checkpoint(tmp_path, capsys):
+    """merge --overwrite wrote over the checkpoint's own rank file; verify and merge read a rank file, a manifest and
+    a run's checkpoints/ that were links to elsewhere."""
+    run = tmp_path / "run"
+    assert cli.main(["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", "train.steps=2",
+                     "train.checkpoint_every=2", "train.progress=false"]) == 0
+    (ckpt,) = sorted((run / "checkpoints").glob("step_*"))
+    shard = next(ckpt.glob("rank*.safetensors"))
+    before = shard.read_bytes()
+    capsys.readouterr()
+    assert cli.main(["ckpt", "merge", str(run), "-o", str(shard), "--overwrite"]) == 2
+    assert "is the checkpoint being read, or a file in its folder" in capsys.readouterr().err
+    assert shard.read_bytes() == before
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in ckpt.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    (copy / shard.name).unlink()
+    (copy / shard.name).symlink_to(shard)
+    assert cli.main(["ckpt", "verify", str(copy)]) == 2
+    assert f"{copy / shard.name} is a link" in capsys.readouterr().err
+    linked_run = tmp_path / "linked_run"
+    linked_run.mkdir()
+    (linked_run / "checkpoints").symlink_to(run / "checkpoints")
+    assert cli.main(["ckpt", "verify", str(linked_run)]) == 2
+    assert "checkpoints is a link" in capsys.readouterr().err
+
+
 def test_bad_checkpoint_and_run_paths_say_what_is_wrong(tmp_path, capsys):
     assert cli.main(["ckpt", "merge", str(tmp_path / "nope"), "-o", str(tmp_path / "m.safetensors")]) == 2
     assert "error:" in capsys.readouterr().err
@@ -97,6 +126,36 @@ def test_a_second_run_into_the_same_folder_is_refused_resumed_or_overwritten(tmp
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002"]
 
 
+def test_overwrite_checks_everything_first_and_deletes_only_what_a_run_wrote(tmp_path, capsys):
+    """--overwrite deleted the old run and then failed on weights that did not exist (both runs lost); it deleted a
+    user's file kept in checkpoints/; config.yaml was written through a link out of the folder."""
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert cli.main([*args, "train.steps=2", f"train.init_from={tmp_path / 'nope.safetensors'}", "--overwrite"]) == 2
+    assert "no such merged checkpoint file" in capsys.readouterr().err and _snapshot(run) == before
+    (run / "checkpoints" / "my_model.pt").write_bytes(b"mine")
+    assert cli.main([*args, "train.steps=2", "--overwrite"]) == 0
+    assert "(1 checkpoint; other files in it kept)" in capsys.readouterr().err
+    assert (run / "checkpoints" / "my_model.pt").read_bytes() == b"mine"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002"]
+
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text("mine: 1\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.yaml").symlink_to(elsewhere)
+    (tmp_path / "a_file").write_text("x")
+    for out_dir, message in ((linked, "config.yaml is a link"), (tmp_path / "a_file", "is a file; give a folder"),
+                             (tmp_path / "a_file" / "run", "which is a file; give a folder")):
+        assert cli.main(["pretrain", "--config", str(TINY), "--set", f"train.out_dir={out_dir}", *SMALL,
+                         "train.steps=1"]) == 2
+        assert message in capsys.readouterr().err
+    assert elsewhere.read_text() == "mine: 1\n" and (tmp_path / "a_file").read_text() == "x"
+
+
 def test_pretrain_without_a_config_is_refused_naming_the_shipped_ones(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["pretrain"]) == 2
@@ -117,6 +176,15 @@ BAD_CONFIGS = {
                                      "unknown topology preset 'nvswitch9'"),
     "a GPU run without a GPU": (["--set", "parallel.d0=2", "parallel.d1=2", "train.device=cuda"],
                                 "train.device=cuda but no GPU is visible"),
+    # found by a hunt over the CLI: each of these failed in the ranks, one traceback per rank
+    "a topology of another device count": (["--set", "parallel.layout=auto", "parallel.topology=nvswitch8"],
+                                           "describes 8 devices"),
+    "weights that do not exist": (["--set", "parallel.d0=2", "parallel.d1=2", "train.init_from=nowhere.safetensors"],
+                                  "nowhere.safetensors: no such merged checkpoint file or checkpoint folder"),
+    "tables wider than the model": (["--set", "parallel.d0=2", "parallel.d1=2", "data.table.max_features=100"],
+                                    "data.table.max_features=100 is more than the model takes"),
+    "an infinite learning rate": (["--set", "parallel.d0=2", "parallel.d1=2", "optim.lr=inf"],
+                                  "need a finite lr > 0 (got inf)"),
 }
 
 
