@@ -100,13 +100,7 @@ def load_merged(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     if not path.is_file():
         raise ValueError(f"{path}: no such merged checkpoint file")
     header, metadata = read_header(path)
-    if metadata.get("format") != MERGED_FORMAT or "model_config" not in metadata:
-        raise ValueError(f"{path} is not a merged tabfm checkpoint (metadata format {metadata.get('format')!r})")
-    try:
-        raw = json.loads(metadata["model_config"], parse_constant=no_constants)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: its metadata model_config is not valid JSON ({e})") from None
-    cfg = config_from_dict(raw, f"{path}: metadata model_config")
+    cfg = _merged_config(path, metadata)
     expected = {k: tuple(v.shape) for k, v in meta_model(cfg, len(header), str(path)).state_dict().items()}
     missing, unexpected = set(expected) - set(header), set(header) - set(expected)
     if missing or unexpected:
@@ -161,7 +155,11 @@ def saved_model_config(path: str | Path) -> ModelConfig:
         return config_from_dict(read_manifest(path)["model_config"], f"{path}/{MANIFEST}: model_config")
     if not path.is_file():
         raise ValueError(f"{path}: no such merged checkpoint file or checkpoint folder")
-    _, metadata = read_header(path)
+    return _merged_config(path, read_header(path)[1])
+
+
+def _merged_config(path: Path, metadata: dict[str, str]) -> ModelConfig:
+    """The model config in a merged file's header metadata (ValueError when it is not one)."""
     if metadata.get("format") != MERGED_FORMAT or "model_config" not in metadata:
         raise ValueError(f"{path} is not a merged tabfm checkpoint (metadata format {metadata.get('format')!r})")
     try:
