@@ -163,11 +163,16 @@ def train(cfg: RunConfig, resume: str | None = None, mesh: TPMesh | None = None,
     init_from = cfg.train.init_from if checkpoints.resume_from is None else None
     model, optimizer = build_model_and_optimizer(cfg, mesh, device, init_from)
     start = checkpoints.restore(model, optimizer)
+    if rank0 and checkpoints.resume_from is not None:
+        print(f"resuming from {checkpoints.resume_from} (step {start})", file=sys.stderr, flush=True)
+    if start >= cfg.train.steps:  # nothing to do, and the run's config.yaml keeps the steps it ran to
+        if rank0:
+            print(f"the run is already at step {start}, train.steps={cfg.train.steps}: nothing to train; raise "
+                  "train.steps to continue it", file=sys.stderr, flush=True)
+        return []
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_config(cfg))
-    if start >= cfg.train.steps:
-        return []
     trainer = Trainer(cfg, model, optimizer, mesh, device, checkpoints, metrics, PeriodicEvaluation(cfg, rank0),
                       rank0, hooks)
     return trainer.run(start)

@@ -115,7 +115,12 @@ def test_a_second_run_into_the_same_folder_is_refused_resumed_or_overwritten(tmp
         assert _snapshot(run) == before
 
     assert cli.main([*args, "train.steps=3", "--resume"]) == 0
+    assert f"resuming from {run / 'checkpoints' / 'step_0000002'} (step 2)" in capsys.readouterr().err
     assert _steps(run) == [1, 2, 3]
+    config = (run / "config.yaml").read_text()
+    assert cli.main([*args, "train.steps=1", "--resume"]) == 0  # found by a hunt: silent, and config.yaml rewritten
+    assert "already at step 3, train.steps=1: nothing to train" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == config and _steps(run) == [1, 2, 3]
     losses = [r["loss"] for r in read_metrics(run)[0]]
 
     capsys.readouterr()
