@@ -323,6 +323,12 @@ class PresetCompute:
     op_overhead_us: float = 5.0
     """Microseconds of framework / launch overhead per op."""
 
+    def __post_init__(self) -> None:
+        _positive("compute", peak_tflops=self.peak_tflops, memory_bandwidth_gbs=self.memory_bandwidth_gbs)
+        _shares("compute", matmul_efficiency=self.matmul_efficiency, memory_efficiency=self.memory_efficiency)
+        if not 0 <= self.op_overhead_us < math.inf:
+            raise ValueError(f"compute.op_overhead_us={self.op_overhead_us} must be a finite number >= 0")
+
     def rates(self) -> ComputeRates:
         return ComputeRates(matmul_flops=self.peak_tflops * 1e12 * self.matmul_efficiency,
                             memory_bandwidth=self.memory_bandwidth_gbs * GB * self.memory_efficiency,
@@ -348,6 +354,15 @@ class PresetLevel:
     """Share of uplink_gbs reached (default: efficiency)."""
     source: str | None = None
     """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        where = f"level {self.name!r}"
+        _positive(where, span=self.span, bandwidth_gbs=self.bandwidth_gbs,
+                  **({} if self.uplink_gbs is None else {"uplink_gbs": self.uplink_gbs}))
+        if not 0 <= self.alpha_us < math.inf:
+            raise ValueError(f"{where}: alpha_us={self.alpha_us} must be a finite number >= 0")
+        _shares(where, efficiency=self.efficiency,
+                **({} if self.uplink_efficiency is None else {"uplink_efficiency": self.uplink_efficiency}))
 
     def level(self) -> Level:
         eff = self.efficiency
@@ -378,6 +393,9 @@ class TopologyPreset:
     sources: dict[str, str] = field(default_factory=dict)
     """Where the numbers come from, per field."""
 
+    def __post_init__(self) -> None:
+        _positive("the topology", devices=self.devices, memory_gb=self.memory_gb)
+
     def topology(self, default_name: str) -> HierarchicalTopology:
         """The preset as the planner's topology (named `default_name` unless it names itself)."""
         return HierarchicalTopology(
@@ -385,6 +403,20 @@ class TopologyPreset:
             memory_bytes=self.memory_gb * GB, overlap=self.overlap, dtype=self.dtype, description=self.description,
             levels=[lv.level() for lv in self.levels], sources=dict(self.sources),
         )
+
+
+def _positive(where: str, **values: float) -> None:
+    """ValueError naming the first value that is not a finite number > 0 (a datasheet figure)."""
+    for name, v in values.items():
+        if not 0 < v < math.inf:
+            raise ValueError(f"{where}: {name}={v} must be a finite number > 0")
+
+
+def _shares(where: str, **values: float) -> None:
+    """ValueError naming the first share of a peak that is not in (0, 1] (no device beats its datasheet)."""
+    for name, v in values.items():
+        if not 0 < v <= 1:
+            raise ValueError(f"{where}: {name}={v} is a share of the vendor's peak; set it within (0, 1]")
 
 
 def describe(topology: Topology, d0: int, d1: int) -> str:

@@ -162,6 +162,16 @@ def test_topology_errors_name_the_key_the_file_and_the_choices(tmp_path):
         "topology 'nvswitch8' describes 8 devices, but --nproc is 16; use --nproc 8, or a topology for 16 devices "
         "(presets for 16 devices: nvswitch8x2-ib) (devices in ")
     assert "presets: flat64, " in _error(load_topology, "dgx") and "measure (this machine)" in _error(load_topology, "dgx")
+    # found by a hunt: a negative memory rejected every layout for "more than 90% of -5000000000B", and an
+    # efficiency of 7 was priced
+    good = ("devices: 2\nmemory_gb: {m}\ncompute: {{peak_tflops: 1, memory_bandwidth_gbs: 1}}\n"
+            "levels: [{{name: net, span: 2, alpha_us: 1, bandwidth_gbs: 1, efficiency: {e}}}]\n")
+    path.write_text(good.format(m=1, e=0.5))
+    assert load_topology(path).devices == 2
+    path.write_text(good.format(m=-5, e=0.5))
+    assert "memory_gb=-5.0 must be a finite number > 0 (in " in _error(load_topology, path)
+    path.write_text(good.format(m=1, e=7))
+    assert "efficiency=7.0 is a share of the vendor's peak; set it within (0, 1]" in _error(load_topology, path)
 
 
 def test_unions_want_a_tag_when_the_keys_do_not_tell():

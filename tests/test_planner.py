@@ -282,6 +282,12 @@ def test_cli_plan(tmp_path, capsys):
     args = parser.parse_args(["plan", "--config", str(config), "--nproc", "8", "--topology", "nope"])
     assert args.run(args) == 2
     assert "unknown topology preset 'nope'" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")
+    for extra, message in ((["--png", str(tmp_path / "plan.txt")], "give a file name ending in .png"),
+                           (["--png", str(tmp_path / "a_file" / "p.png")], "a_file is a file, not a folder"),
+                           (["--top", "0"], "--top must be a positive integer")):  # found by a hunt: tracebacks
+        args = parser.parse_args(["plan", "--config", str(config), "--nproc", "8", "--topology", "nvswitch8", *extra])
+        assert args.run(args) == 2 and message in capsys.readouterr().err
     config.write_text("model: {depth: 1, layers: 3}\n")
     args = parser.parse_args(["plan", "--config", str(config), "--nproc", "8", "--topology", "nvswitch8"])
     assert args.run(args) == 2
