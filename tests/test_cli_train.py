@@ -118,6 +118,10 @@ def test_a_second_run_into_the_same_folder_is_refused_resumed_or_overwritten(tmp
     assert f"resuming from {run / 'checkpoints' / 'step_0000002'} (step 2)" in capsys.readouterr().err
     assert _steps(run) == [1, 2, 3]
     config = (run / "config.yaml").read_text()
+    assert cli.main([*args, "train.steps=9", "model.embed_dim=32", "--resume"]) == 2  # found by a hunt: a traceback
+    err = capsys.readouterr().err
+    assert "was saved for another model than this run's (saved vs now: {'embed_dim': (16, 32)})" in err
+    assert len(err.strip().splitlines()) == 1
     assert cli.main([*args, "train.steps=1", "--resume"]) == 0  # found by a hunt: silent, and config.yaml rewritten
     assert "already at step 3, train.steps=1: nothing to train" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == config and _steps(run) == [1, 2, 3]
