@@ -131,13 +131,37 @@ def preset_path(kind: str, name: str | Path, also: Sequence[str] = ()) -> Path:
 # Files and --set overrides
 # ---------------------------------------------------------------------------------------------------------
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (safe_load keeps the last without a word:
+    `steps: 2` then `steps: 3` trained 3 steps)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str | int | float | bool):  # odd keys: left to the config's own checks
+                continue
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping a YAML file holds (an empty file is {}); ConfigError, one line, when it can't be read."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give a .yaml file in it")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}; give each key once") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

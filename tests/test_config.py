@@ -150,6 +150,16 @@ def test_a_bad_key_of_a_preset_file_names_that_file(tmp_path):
                                                                         "does not exist; presets: base")
 
 
+def test_a_key_given_twice_and_a_folder_for_a_file_are_refused(tmp_path):
+    """Found by a hunt: `steps: 2` then `steps: 3` trained 3 steps without a word; a folder was "does not exist"."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 2\n  steps: 3\n")
+    assert _error(load_config, path) == f"{path}: key 'steps' appears twice (line 3); give each key once"
+    assert _error(load_config, tmp_path) == f"config file {tmp_path} is a folder; give a .yaml file in it"
+    path.write_text("train:\n  steps: 2\noptim:\n  lr: 0.001\n")  # the same key in two sections is fine
+    assert load_config(path).train.steps == 2
+
+
 def test_topology_errors_name_the_key_the_file_and_the_choices(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("devices: 2\nmemory_gb: 1\ncompute: {peak_tflops: 1, memory_bandwidth_gbs: 1}\n"
