@@ -179,6 +179,9 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    out = Path(output) if output else Path(run_dir) / "curves.png"
+    if out.is_dir() or out.suffix.lower() != ".png":  # matplotlib would add .png, or pick another format
+        raise ValueError(f"{out}: give a file name ending in .png (the default is RUN_DIR/curves.png)")
     train, evals = read_metrics(run_dir)
     if not train:
         raise ValueError(f"{run_dir}/metrics.jsonl has no training lines yet")
@@ -203,7 +206,6 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         axes[2].legend()
     fig.suptitle(f"tabfm run {run_dir}")
     fig.tight_layout()
-    out = Path(output) if output else Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -40,6 +40,9 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     again = load_file(merged_again)
     assert all(torch.equal(again[k], v) for k, v in state.items())
 
+    for bad in (tmp_path, tmp_path / "curves.txt"):  # found by a hunt: a folder wrote folder.png, reported folder
+        assert cli.main(["plot-run", str(run), "-o", str(bad)]) == 2
+        assert "give a file name ending in .png" in capsys.readouterr().err
     assert cli.main(["plot-run", str(run)]) == 0
     png = run / "curves.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
