@@ -18,8 +18,8 @@ import torch
 
 from tabfm.checkpoint_format import (DTYPES, MANIFEST, MERGED_FORMAT, MODEL, finish_folder, rank_file, save_tensors,
                                      spec_from_json)
-from tabfm.checkpoint_inspect import (check_finite, config_from_dict, gather_full, inspect_checkpoint, load_finite,
-                                      meta_model, no_constants, pos_int, read_header, read_manifest)
+from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dict, gather_full, inspect_checkpoint,
+                                      load_finite, meta_model, no_constants, pos_int, read_header, read_manifest)
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
@@ -172,8 +172,7 @@ def _merged_config(path: Path, metadata: dict[str, str]) -> ModelConfig:
 def check_init_from(path: str | Path, model: ModelConfig) -> dict[str, tuple[int, int]]:
     """The fields in which the weights at `path` differ from `model`, all of them HEAD_COUNTS (regrouped at
     init_weights); ValueError when any other field differs."""
-    changed = {k: (v, getattr(model, k)) for k, v in saved_model_config(path).to_dict().items()
-               if getattr(model, k) != v}
+    changed = config_diff(saved_model_config(path).to_dict(), model.to_dict())
     if set(changed) - set(HEAD_COUNTS):
         raise ValueError(f"{path} holds a different model than this run builds (weights' value vs run's): "
                          f"{changed}; set the run's model to the weights' config (head counts may differ), or start "

@@ -373,10 +373,14 @@ def gather_full(ckpt_dir: Path, manifest: dict, prefix: str | None = None) -> di
     return full
 
 
+def config_diff(saved: dict, ours: dict) -> dict[str, tuple[Any, Any]]:
+    """{setting: (saved value, our value)} for each model-config setting that differs, in key order."""
+    return {k: (saved.get(k), ours.get(k)) for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)}
+
+
 def _check_model_config(saved: dict, model: TabFM, where: str) -> None:
     """The saved model config equals the model's, else one line listing each differing setting."""
-    ours = model.config.to_dict()
-    diff = {k: (saved.get(k), ours.get(k)) for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)}
+    diff = config_diff(saved, model.config.to_dict())
     if diff:
         shown = ", ".join(f"{k}: saved {a!r} vs model {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"{where} was saved for a different model config ({shown}); build the model from the "

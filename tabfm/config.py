@@ -24,7 +24,6 @@ Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{typ
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -9,8 +9,9 @@
                        accuracy for a speed-up that depends on the CPU's bfloat16 support
 
 The cell encoder and the output heads run in float32 even under autocast (tabfm.model): the data and the logits
-are never rounded to bfloat16. Whatever the precision, the logits are decoded in float64 (tabfm.estimator._TabFMBase._context_outputs): the
-softmax, temperature, blend, and the regressor's mixture means and quantiles never see bfloat16.
+are never rounded to bfloat16. Whatever the precision, the logits are decoded in float64
+(tabfm.estimator._TabFMBase._context_outputs): the softmax, temperature, blend, and the regressor's mixture means
+and quantiles never see bfloat16.
 
 dtype="bfloat16" (and "float16") once cast the weights themselves, with no float32 master copy: refused, naming
 precision="bf16".

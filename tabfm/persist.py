@@ -270,9 +270,10 @@ def save_estimator(est: Any, path: str | Path) -> None:
         raise ValueError(f"cannot save to {str(path)!r}: {e.strerror} ({e.filename}); choose a path in a folder "
                          "you can write") from None
     try:
-        (tmp / META_FILE).write_bytes(text.encode())
+        data = text.encode()
+        (tmp / META_FILE).write_bytes(data)
         save_file(encoder.arrays, str(tmp / ARRAYS_FILE), metadata={
-            "format_version": str(FORMAT_VERSION), JSON_DIGEST: hashlib.sha256(text.encode()).hexdigest()})
+            "format_version": str(FORMAT_VERSION), JSON_DIGEST: hashlib.sha256(data).hexdigest()})
         _replace_folder(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -320,11 +321,13 @@ def _inside(folder: Path, name: str) -> Path:
     return file
 
 
-def _read_meta(folder: Path, cls: type) -> dict[str, Any]:
-    """The JSON of a saved estimator, checked for its format version and class."""
+def _read_meta(folder: Path, cls: type) -> tuple[dict[str, Any], bytes]:
+    """The JSON of a saved estimator, checked for its format version and class, and its bytes as read (which
+    _read_arrays checks against the digest in the arrays file)."""
     file = _inside(folder, META_FILE)
+    data = file.read_bytes()
     try:
-        meta = json.loads(file.read_bytes())
+        meta = json.loads(data)
     except RecursionError:
         raise ValueError(f"{str(file)!r} nests too deeply to be a tabfm estimator file: the saved estimator is "
                          "damaged; save it again") from None
@@ -344,7 +347,7 @@ def _read_meta(folder: Path, cls: type) -> dict[str, Any]:
         warnings.warn(f"{str(folder)!r} was saved with scikit-learn {meta.get('sklearn_version')}, this is "
                       f"{_sklearn_version()}: its fitted transformers may not behave the same; refit if in doubt",
                       stacklevel=3)
-    return meta
+    return meta, data
 
 
 def _tabfm_version() -> str:
@@ -353,21 +356,20 @@ def _tabfm_version() -> str:
     return tabfm.__version__
 
 
-def _read_arrays(folder: Path, table: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _read_arrays(folder: Path, table: dict[str, Any], meta_bytes: bytes) -> dict[str, torch.Tensor]:
     """The safetensors file, checked to hold exactly the arrays the JSON names, with their dtypes and shapes."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     file = _inside(folder, ARRAYS_FILE)
     try:
-        arrays = load_file(str(file), device="cpu")
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:  # one read: the header and the tensors
             header = f.metadata() or {}
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a truncated or garbled file
         raise ValueError(f"{str(file)!r} is not a readable safetensors file ({e}): the saved estimator is damaged; "
                          "save it again") from None
     json_digest = header.get(JSON_DIGEST)
-    if json_digest is not None and hashlib.sha256(_inside(folder, META_FILE).read_bytes()).hexdigest() != json_digest:
+    if json_digest is not None and hashlib.sha256(meta_bytes).hexdigest() != json_digest:
         raise ValueError(f"{META_FILE} in {str(folder)!r} is not the file saved with {ARRAYS_FILE} (its SHA-256 "
                          "differs): the saved estimator was changed or damaged; save it again")
     if set(arrays) != set(table):
@@ -414,8 +416,8 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder holding a saved estimator (save one with est.save(path))")
-    meta = _read_meta(folder, cls)
-    arrays = _read_arrays(folder, meta["arrays"])
+    meta, meta_bytes = _read_meta(folder, cls)
+    arrays = _read_arrays(folder, meta["arrays"], meta_bytes)
     try:
         attributes_node = meta["attributes"]
         target = _load_device(device, attributes_node["fields"].get("device_"))

@@ -229,14 +229,14 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
 def _check_resume_point(out_dir: Path, resume: str, cfg: RunConfig) -> None:
     """The checkpoint a resume starts from, read without its tensors (manifest, sizes, headers) and checked to be
     of the run's model: a damaged or foreign checkpoint is one line here, not a traceback from every rank."""
-    from tabfm.checkpoint_inspect import config_from_dict
+    from tabfm.checkpoint_inspect import config_diff, config_from_dict
 
     found = latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
     if found is None:
         return
     manifest = ckpt.inspect_checkpoint(found)
-    saved = config_from_dict(manifest["model_config"], f"{found}/{ckpt.MANIFEST}: model_config").to_dict()
-    changed = {k: (v, getattr(cfg.model, k)) for k, v in saved.items() if getattr(cfg.model, k) != v}
+    saved = config_from_dict(manifest["model_config"], f"{found}/{ckpt.MANIFEST}: model_config")
+    changed = config_diff(saved.to_dict(), cfg.model.to_dict())
     if changed:
         raise ValueError(f"{found} was saved for another model than this run's (saved vs now: {changed}); resume "
                          "with the run's own model settings (its config.yaml), or start a new run in another "

@@ -15,7 +15,6 @@ SUBPOINTS per bin), not of its mean pushed through a non-linear map.
 
 from __future__ import annotations
 
-
 import warnings
 from dataclasses import dataclass
 
