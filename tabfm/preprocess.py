@@ -34,7 +34,7 @@ import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import polars as pl
@@ -58,7 +58,7 @@ class Column:
     kind: str
     categories: tuple[str, ...] = ()
     values: str | None = None
-    """A numeric column's values by their type (value_kind: numbers, dates, durations...); None where the cells
+    """A numeric column's values by their type (RawColumn.values: numbers, dates, durations...); None where the cells
     decided (object columns) or in estimators saved before it was kept."""
 
 
@@ -210,103 +210,95 @@ def _complex_error(name: str) -> ValueError:
                       "and the imaginary part (np.imag) as two columns, or the magnitude (np.abs)")
 
 
-def _pandas_column(col: Any, name: str) -> tuple[str, np.ndarray] | np.ndarray:
+class RawColumn(NamedTuple):
+    """A column as read: its kind, its cells, and for a numeric column what its type says the values are."""
+
+    kind: str
+    """"numeric" or "categorical"."""
+    cells: np.ndarray
+    """float64 with NaN (numeric; dates, times and durations in seconds) or an object array of str / None."""
+    values: str | None = None
+    """"numbers", "dates", "dates with a time zone", "times of day" or "durations" when the column's type says
+    so; None where the cells decided (object columns, strings, categoricals). All of them reach the model as
+    float seconds, so only this tells dates from numbers between fit and predict."""
+
+
+def _arrow_value_kind(t: Any) -> str:
+    """The value kind of a pyarrow temporal type."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(t):
+        return "dates with a time zone" if t.tz else "dates"
+    return "dates" if pa.types.is_date(t) else "times of day" if pa.types.is_time(t) else "durations"
+
+
+def _pandas_column(col: Any, name: str) -> RawColumn | np.ndarray:
     """A pandas column read by its dtype, or its cells as an object array when the values must decide."""
     import pandas as pd
 
     dtype = col.dtype
     if isinstance(dtype, pd.CategoricalDtype):  # categorical whatever its categories (ints included)
-        return "categorical", np.array([None if _is_missing(v) else category_string(v) for v in col.astype(object)],
-                                       dtype=object)
+        return RawColumn("categorical", np.array([None if _is_missing(v) else category_string(v)
+                                                  for v in col.astype(object)], dtype=object))
+    values = None
     if isinstance(dtype, pd.PeriodDtype):  # a period reads as its start, a timestamp
-        col = col.dt.start_time
+        col, values = col.dt.start_time, "dates"
         dtype = col.dtype
     arrow = dtype.pyarrow_dtype if isinstance(dtype, pd.ArrowDtype) else None
-    if (pd.api.types.is_datetime64_any_dtype(dtype) or pd.api.types.is_timedelta64_dtype(dtype)
-            or (arrow is not None and _is_arrow_temporal(arrow))):
+    if arrow is not None and _is_arrow_temporal(arrow):
+        values = values or _arrow_value_kind(arrow)
+    elif isinstance(dtype, pd.DatetimeTZDtype):
+        values = values or "dates with a time zone"
+    elif pd.api.types.is_datetime64_any_dtype(dtype):
+        values = values or "dates"
+    elif pd.api.types.is_timedelta64_dtype(dtype):
+        values = "durations"
+    if values is not None:
         import pyarrow as pa
 
-        return "numeric", _temporal_seconds(pa.array(col, from_pandas=True))
+        return RawColumn("numeric", _temporal_seconds(pa.array(col, from_pandas=True)), values)
     if pd.api.types.is_complex_dtype(dtype):
         raise _complex_error(name)
     if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
-        return "numeric", col.astype("float64").to_numpy(dtype=np.float64, na_value=np.nan)
+        return RawColumn("numeric", col.astype("float64").to_numpy(dtype=np.float64, na_value=np.nan), "numbers")
     return col.astype(object).to_numpy()
 
 
-def _polars_column(col: Any, name: str) -> tuple[str, np.ndarray] | list:
+def _polars_column(col: Any, name: str) -> RawColumn | list:
     """A polars column read by its dtype, or its cells as a list when the values must decide."""
     dtype = col.dtype
     if dtype.is_nested():
         raise TypeError(f"column {name!r} has the nested polars type {dtype}; X cells must be numbers, strings, "
                         "booleans or missing: unnest or explode it into plain columns first")
     if dtype.is_numeric():
-        return "numeric", col.cast(float).fill_null(float("nan")).to_numpy().astype(np.float64)
+        return RawColumn("numeric", col.cast(float).fill_null(float("nan")).to_numpy().astype(np.float64), "numbers")
     if dtype.is_temporal():
-        return "numeric", _temporal_seconds(col.to_arrow())
+        arrow = col.to_arrow()
+        return RawColumn("numeric", _temporal_seconds(arrow), _arrow_value_kind(arrow.type))
     return col.to_list()
 
 
-def value_kind(col: Any) -> str | None:
-    """What a numeric-looking column's type says its values are: "numbers", "dates", "dates with a time zone",
-    "times of day" or "durations"; None where the cells decide (object columns, strings, categoricals). All of
-    them reach the model as float seconds, so only this tells dates from numbers between fit and predict."""
-    module = type(col).__module__
-    if module.startswith("polars"):
-        import polars as pl
-
-        dtype = col.dtype
-        if dtype.is_numeric():
-            return "numbers"
-        if isinstance(dtype, pl.Datetime):
-            return "dates with a time zone" if dtype.time_zone else "dates"
-        return {pl.Date: "dates", pl.Time: "times of day", pl.Duration: "durations"}.get(dtype.base_type())
-    if module.startswith("pandas"):
-        import pandas as pd
-
-        dtype = col.dtype
-        if isinstance(dtype, pd.CategoricalDtype):
-            return None
-        if isinstance(dtype, pd.PeriodDtype):
-            return "dates"
-        if isinstance(dtype, pd.ArrowDtype) and _is_arrow_temporal(dtype.pyarrow_dtype):
-            import pyarrow as pa
-
-            t = dtype.pyarrow_dtype
-            if pa.types.is_timestamp(t):
-                return "dates with a time zone" if t.tz else "dates"
-            return "dates" if pa.types.is_date(t) else "times of day" if pa.types.is_time(t) else "durations"
-        if isinstance(dtype, pd.DatetimeTZDtype):
-            return "dates with a time zone"
-        if pd.api.types.is_datetime64_any_dtype(dtype):
-            return "dates"
-        if pd.api.types.is_timedelta64_dtype(dtype):
-            return "durations"
-        if pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype):
-            return "numbers"
-        return None
-    kind = getattr(np.asarray(col).dtype, "kind", "O") if not hasattr(col, "dtype") else col.dtype.kind
-    return {"i": "numbers", "u": "numbers", "f": "numbers", "M": "dates", "m": "durations"}.get(kind)
+_NUMPY_VALUE_KINDS = {"i": "numbers", "u": "numbers", "f": "numbers", "M": "dates", "m": "durations"}
 
 
-def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
-    """("numeric", float64 array with NaN) or ("categorical", object array of str / None). Dates, times and
-    durations are numeric, in seconds."""
+def _raw_column(col: Any, name: str) -> RawColumn:
+    """The column read as ("numeric", float64 array with NaN) or ("categorical", object array of str / None), with
+    what its type says its values are. Dates, times and durations are numeric, in seconds."""
     module = type(col).__module__
     if module.startswith(("polars", "pandas")):
         read = _polars_column(col, name) if module.startswith("polars") else _pandas_column(col, name)
-        if isinstance(read, tuple):
+        if isinstance(read, RawColumn):
             return read
         col = read
     arr = np.asarray(col)
-    if arr.dtype.kind in "biuf":
-        if arr.dtype.kind == "b":
-            return "categorical", np.array([str(bool(v)) for v in arr], dtype=object)
-        return "numeric", arr.astype(np.float64)
+    if arr.dtype.kind == "b":
+        return RawColumn("categorical", np.array([str(bool(v)) for v in arr], dtype=object))
+    if arr.dtype.kind in "iuf":
+        return RawColumn("numeric", arr.astype(np.float64), "numbers")
     if arr.dtype.kind in "US":
-        return "categorical", arr.astype(str).astype(object)
+        return RawColumn("categorical", arr.astype(str).astype(object))
     if arr.dtype.kind in "Mm":
-        return "numeric", _numpy_temporal_seconds(arr)
+        return RawColumn("numeric", _numpy_temporal_seconds(arr), _NUMPY_VALUE_KINDS[arr.dtype.kind])
     if arr.dtype.kind == "c":
         raise _complex_error(name)
     # object: decide from the values
@@ -331,7 +323,7 @@ def _raw_column(col: Any, name: str) -> tuple[str, np.ndarray]:
         else:
             raise TypeError(f"column {name!r} holds a {type(v).__name__} ({v!r}); X cells must be numbers, strings, "
                             "booleans, dates, times or missing (None / NaN)")
-    return _decide_object_column(kinds, out, name)
+    return RawColumn(*_decide_object_column(kinds, out, name))
 
 
 def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> tuple[str, np.ndarray]:
@@ -502,7 +494,7 @@ class TablePreprocessor:
         raw_numeric = []
         numeric_text = []
         for i, (name, col) in enumerate(zip(names, cols, strict=True)):
-            kind, raw = _raw_column(col, name)
+            kind, raw, values = _raw_column(col, name)
             if kind == "numeric" and np.isinf(raw).any():
                 raise ValueError(f"column {name!r} holds inf at fit; replace it with a finite value or NaN (missing)")
             if i in forced and kind == "numeric":
@@ -512,7 +504,7 @@ class TablePreprocessor:
                 seen = raw[~np.isnan(raw)]
                 if len(np.unique(seen)) <= 1 and len(seen) in (0, n):
                     continue  # constant, or no value at all
-                columns.append(Column(name, i, "numeric", values=value_kind(col)))
+                columns.append(Column(name, i, "numeric", values=values))
                 raw_numeric.append(raw)
             else:
                 cats = _fit_categories(raw, _dtype_categories(col))
@@ -572,7 +564,7 @@ class TablePreprocessor:
         n_cats = np.zeros(C, np.int64)
         unseen: list[str | None] = []
         for j, c in enumerate(self.columns_):
-            kind, raw = _raw_column(cols[c.index], c.name)
+            kind, raw, now = _raw_column(cols[c.index], c.name)
             if c.kind == "numeric":
                 if kind != "numeric" and all(v is None for v in raw):  # an all-missing batch (None, polars Null)
                     kind, raw = "numeric", np.full(n, np.nan)
@@ -582,7 +574,6 @@ class TablePreprocessor:
                                      "pass the same kind of data as at fit")
                 if np.isinf(raw).any():
                     raise ValueError(f"column {c.name!r} holds inf; replace it with a finite value or NaN (missing)")
-                now = value_kind(cols[c.index])
                 if c.values and now and now != c.values and not np.isnan(raw).all():
                     raise ValueError(f"column {c.name!r} held {c.values} at fit but {now} now; pass {c.values} as at "
                                      f"fit (both reach the model as numbers, so these would be read as {c.values})")

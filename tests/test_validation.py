@@ -207,16 +207,22 @@ JAN_1_2020 = 1577836800.0  # seconds since the epoch
     np.array(["2020-01-01", "NaT"], dtype="datetime64[D]"),
 ], ids=["pandas", "pandas-ns", "pandas-tz", "pandas-arrow", "polars", "polars-ns-utc", "polars-date", "numpy"])
 def test_dates_read_as_seconds_and_nat_as_missing(col):
-    kind, raw = _raw_column(col, "d")
-    assert kind == "numeric"
+    kind, raw, values = _raw_column(col, "d")
+    assert kind == "numeric" and values.startswith("dates")
     assert raw[0] == pytest.approx(JAN_1_2020) and np.isnan(raw[1])  # NaT was -9.2e18
 
 
 def test_durations_and_times_read_as_seconds():
+    """Each reads as seconds, and its type says which kind of value it was (fit and predict compare these)."""
+    assert _raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t").values == "durations"
+    assert _raw_column(np.array([90, 30], dtype="timedelta64[s]"), "t").values == "durations"
+    assert _raw_column(pd.Series(pd.period_range("2020-01", periods=2, freq="M")), "t").values == "dates"
+    assert _raw_column(pl.Series("t", [1.5, None]), "t").values == "numbers"
+    assert _raw_column(np.array([1, 2], dtype=object), "t").values is None  # the cells decided
     assert _raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t")[1][0] == 90
     assert _raw_column(pl.Series("t", [datetime.timedelta(minutes=2), None]), "t")[1][0] == 120
-    kind, raw = _raw_column(pl.Series("t", [datetime.time(1), None]), "t")
-    assert kind == "numeric" and raw[0] == 3600 and np.isnan(raw[1])
+    kind, raw, values = _raw_column(pl.Series("t", [datetime.time(1), None]), "t")
+    assert kind == "numeric" and raw[0] == 3600 and np.isnan(raw[1]) and values == "times of day"
 
 
 def test_pandas_nullable_and_categorical_dtypes():
