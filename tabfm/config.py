@@ -24,7 +24,7 @@ Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{typ
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,18 +59,30 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW's denominator epsilon."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (all parameters)."""
+    """Decoupled weight decay of the linear layers' weight matrices; norms, biases, embeddings and learned tokens
+    take none (tabfm.precision.param_groups)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this; 0 turns clipping off."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:  # nan fails too
-            raise ValueError(f"optim: need a finite lr > 0 (got {self.lr}), 0 <= min_lr_ratio <= 1 and "
-                             "warmup_steps >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
-            raise ValueError("optim: beta1 and beta2 must lie in [0, 1) and eps must be > 0")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("optim: weight_decay and grad_clip must be >= 0 (grad_clip 0 = off)")
+        _check_ranges(self, "optim", {
+            "lr": (lambda v: 0 < v < math.inf, "a finite number > 0"),  # NaN fails every comparison
+            "min_lr_ratio": (lambda v: 0 <= v <= 1, "within [0, 1]"),
+            "warmup_steps": (lambda v: v >= 0, ">= 0"),
+            "beta1": (lambda v: 0 <= v < 1, "within [0, 1)"),
+            "beta2": (lambda v: 0 <= v < 1, "within [0, 1)"),
+            "eps": (lambda v: v > 0, "> 0"),
+            "weight_decay": (lambda v: v >= 0, ">= 0"),
+            "grad_clip": (lambda v: v >= 0, ">= 0 (0 turns clipping off)")})
+
+
+def _check_ranges(config: Any, section: str, rules: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """ValueError naming the first field of `config` whose value breaks its rule: one field per message, so the
+    loader blames the file or the --set override that gave that value (config_io.Origins.blame)."""
+    for name, (ok, rule) in rules.items():
+        value = getattr(config, name)
+        if not ok(value):
+            raise ValueError(f"{section}.{name} must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -157,10 +169,10 @@ class TrainConfig:
     stage on other tables. A checkpoint that --resume finds takes precedence (a restarted run continues)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
-            raise ValueError("train: need steps >= 1, log_every >= 1, checkpoint_every >= 0, keep_checkpoints >= 0")
-        if self.eval_every < 0 or self.eval_max_train_rows < 1:
-            raise ValueError("train: need eval_every >= 0 (0 = off) and eval_max_train_rows >= 1")
+        at_least = {"steps": 1, "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 0, "eval_every": 0,
+                    "eval_max_train_rows": 1}
+        _check_ranges(self, "train", {name: (lambda v, low=low: v >= low, f">= {low}")
+                                      for name, low in at_least.items()})
         if self.dtype == "bfloat16":
             raise ValueError("train.dtype=bfloat16 is no longer supported (no float32 master weights); use "
                              "train.dtype: float32 with train.precision: bf16")

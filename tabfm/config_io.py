@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -82,9 +83,16 @@ class Origins:
 
     def blame(self, path: KeyPath, message: str) -> KeyPath:
         """The key a section's own check (its __post_init__) complains about: the longest key of the section that
-        the message names, else the section itself."""
-        named = [p for p in self._by_path if p[:len(path)] == path and len(p) > len(path) and dotted(p) in message]
+        the message names, by its full dotted path or a tail of it ("table.max_rows" for data.table.max_rows),
+        else the section itself."""
+        named = [p for p in self._by_path if p[:len(path)] == path and len(p) > len(path) and _names(message, p)]
         return max(named, key=len) if named else path
+
+
+def _names(message: str, path: KeyPath) -> bool:
+    """Whether `message` names the key at `path` as a whole word: its dotted path or a tail of it."""
+    tails = {dotted(path[k:]) for k in range(len(path)) if isinstance(path[k], str)}
+    return any(re.search(rf"(?<![\w.]){re.escape(tail)}(?!\w)", message) for tail in tails)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,7 +160,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping a YAML file holds (an empty file is {}); ConfigError, one line, when it can't be read."""
+    """The mapping a YAML file holds; ConfigError, one line, when it can't be read or holds nothing."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a folder; give a .yaml file in it")
@@ -168,8 +176,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read: {e}") from None
-    if raw is None:
-        return {}
+    if raw is None:  # an empty file (or only comments): most likely the wrong file, or one saved half-written
+        raise ConfigError(f"{path} is empty: write its keys in it, or leave the file out to use the defaults")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of keys to values, got a {type(raw).__name__}")
     return raw

@@ -196,7 +196,7 @@ BAD_CONFIGS = {
     "tables wider than the model": (["--set", "parallel.d0=2", "parallel.d1=2", "data.table.max_features=100"],
                                     "data.table.max_features=100 is more than the model takes"),
     "an infinite learning rate": (["--set", "parallel.d0=2", "parallel.d1=2", "optim.lr=inf"],
-                                  "need a finite lr > 0 (got inf)"),
+                                  "optim.lr must be a finite number > 0, got inf (from --set optim.lr=inf)"),
 }
 
 

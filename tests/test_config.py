@@ -120,6 +120,10 @@ def test_errors_name_the_key_and_the_file(tmp_path):
     run.write_text("optim: {lr: 0.1\n")
     assert _error(load_config, run).startswith(f"{run} is not valid YAML: ")
     assert "line 2" in _error(load_config, run)
+    for empty in ("", "# only a comment\n", "\n\n"):  # once trained the defaults without a word
+        run.write_text(empty)
+        assert _error(load_config, run) == f"{run} is empty: write its keys in it, or leave the file out to use " \
+                                           "the defaults"
     run.write_text("- a list\n")
     assert _error(load_config, run) == f"{run} must hold a mapping of keys to values, got a list"
     assert _error(load_config, tmp_path / "nope.yaml") == f"config file {tmp_path / 'nope.yaml'} does not exist"
@@ -136,6 +140,23 @@ def test_a_section_check_blames_the_key_it_names():
                                                                         "parallel.overlap_chunks=0)")
     assert _error(load_config, TINY, ["parallel.kernels=cuda"]) == \
         "parallel.kernels must be one of auto, triton, torch; got 'cuda' (from --set parallel.kernels=cuda)"
+
+
+def test_a_range_check_blames_the_override_that_broke_it_not_the_file(tmp_path):
+    """Every range is checked field by field, so the error names one key and that key's origin: the --set that
+    gave it, or the file when the file gave it (a valid override beside a bad file value is not blamed)."""
+    for override, message in [("optim.lr=-1", "optim.lr must be a finite number > 0, got -1.0"),
+                              ("optim.lr=nan", "optim.lr must be a finite number > 0, got nan"),
+                              ("optim.beta2=1", "optim.beta2 must be within [0, 1), got 1.0"),
+                              ("train.steps=0", "train.steps must be >= 1, got 0"),
+                              ("train.eval_max_train_rows=0", "train.eval_max_train_rows must be >= 1, got 0")]:
+        assert _error(load_config, TINY, [override]) == f"{message} (from --set {override})"
+    # a relation between two keys, named by their section-relative path: the override is blamed
+    assert _error(load_config, TINY, ["data.table.max_rows=1"]).endswith("(from --set data.table.max_rows=1)")
+    run = tmp_path / "run.yaml"
+    run.write_text("optim: {lr: -1}\n")
+    assert _error(load_config, run, ["optim.warmup_steps=5", "optim.min_lr_ratio=0.5"]) == \
+        f"optim.lr must be a finite number > 0, got -1.0 (in {run})"
 
 
 def test_a_bad_key_of_a_preset_file_names_that_file(tmp_path):
