@@ -21,6 +21,7 @@ from tabfm.checkpoint_format import (DTYPES, MANIFEST, MERGED_FORMAT, MODEL, fin
 from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dict, gather_full, inspect_checkpoint,
                                       load_finite, meta_model, no_constants, pos_int, read_header, read_manifest)
 from tabfm.checkpoint_io import load_checkpoint
+from tabfm.checkpoint_run import LATEST
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import shard_tensor
@@ -42,6 +43,16 @@ def _check_output(out: Path, source: Path, overwrite: bool, folder: bool) -> Non
                          "folder); choose another output path")
     if not folder and not out.is_file():
         raise ValueError(f"{out} is not a file: --overwrite replaces only a file; choose another output path")
+
+
+def _check_outside_runs(out: Path, d0: int, d1: int) -> None:
+    """Refuse an output folder inside a run's checkpoints/ (a folder called checkpoints, or one that holds a
+    `latest` pointer): a --resume would take a step_N there for that run's own state, with another step and
+    layout than its name and the run's config say, and the run's pruning deletes what it does not count."""
+    parent = out.resolve().parent
+    if parent.name == "checkpoints" or (parent / LATEST).exists():
+        raise ValueError(f"{out} is inside a run's checkpoints folder ({parent}), where it would be taken for one "
+                         f"of the run's own checkpoints; write it outside, e.g. {parent.parent / f'resharded_{d0}x{d1}'}")
 
 
 def merge(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -69,6 +80,7 @@ def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwri
     if not (pos_int(d0) and pos_int(d1)):
         raise ValueError(f"layout {d0}x{d1}: d0 and d1 must be positive integers")
     _check_output(out_dir, ckpt_dir, overwrite, folder=True)
+    _check_outside_runs(out_dir, d0, d1)
     manifest = inspect_checkpoint(ckpt_dir)
     problems = []
     for key, meta in manifest["tensors"].items():

@@ -40,6 +40,13 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     again = load_file(merged_again)
     assert all(torch.equal(again[k], v) for k, v in state.items())
 
+    for inside in (run / "checkpoints" / "step_0000009", run / "checkpoints" / "mine"):  # found by a hunt
+        for flags in ([], ["--overwrite"]):  # a resume would take step_0000009 for the run's own step 9
+            assert cli.main(["ckpt", "reshard", str(ckpt), "--layout", "2x1", "-o", str(inside), *flags]) == 2
+            err = capsys.readouterr().err
+            assert "inside a run's checkpoints folder" in err and f"{run / 'resharded_2x1'}" in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", ckpt.name]
+
     for bad in (tmp_path, tmp_path / "curves.txt"):  # found by a hunt: a folder wrote folder.png, reported folder
         assert cli.main(["plot-run", str(run), "-o", str(bad)]) == 2
         assert "give a file name ending in .png" in capsys.readouterr().err
