@@ -80,6 +80,8 @@ class CheckpointManager:
         """Save after step `done` (collective: every rank calls it), then rank 0 points `latest` at it and prunes
         to the newest `keep` (all when 0), and all ranks wait for that: see _wait_for_latest."""
         name = f"step_{done:07d}"
+        if self.rank0 and self.metrics is not None:
+            self.metrics.sync()  # the log's lines up to this step are on disk before the checkpoint that ends them
         path = ckpt.save_checkpoint(self.root / name, model, optimizer, mesh=self.mesh, step=done,
                                     data_position={"next_step": done, "seed": self.data_seed},
                                     run_config=self.run_config)

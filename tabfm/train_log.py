@@ -4,6 +4,7 @@ and a tqdm bar; both on global rank 0 only (other ranks hold disabled ones, so t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,14 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def sync(self) -> None:
+        """Force the lines written so far onto the disk (fsync). Called before each checkpoint is saved, whose files
+        are fsynced too: a checkpoint that survives a machine crash then never finds its own step's line torn or
+        missing, which a resume from it could not write again."""
+        if self.enabled and self.path.is_file():
+            with open(self.path, "rb+") as f:
+                os.fsync(f.fileno())
+
     def keep_until(self, step: int) -> None:
         """Keep only the lines up to `step` (none for step 0): a crashed run wrote lines after the checkpoint it
         resumes from. A torn last line is dropped with a warning. Written to a temporary file, then renamed."""
@@ -32,7 +41,10 @@ class MetricsLog:
             return
         kept = [r for r in read_metrics_file(self.path) if r["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in kept))
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(self.path)
 
 

@@ -156,6 +156,27 @@ def test_resume_drops_a_torn_last_metrics_line(tmp_path, capsys):
     assert [r["step"] for r in resumed] == [3, 4]
 
 
+def test_the_log_is_on_disk_before_each_checkpoint_that_ends_it(tmp_path, monkeypatch):
+    """A machine crash keeps what was fsynced: the checkpoint's files are, so the log's lines up to its step must
+    be too, else a resume from it finds the step's line torn or missing and never writes it again."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        steps = [r["step"] for r in read_metrics(path.parent)[0]] if path.name == "metrics.jsonl" else None
+        synced.append((path.name, steps))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    train(tiny_cfg(tmp_path / "a", "train.steps=4", "train.checkpoint_every=2", "train.log_every=1"))
+    logs = [i for i, (name, _) in enumerate(synced) if name == "metrics.jsonl"]
+    assert [synced[i][1] for i in logs] == [[1, 2], [1, 2, 3, 4]]
+    assert all(synced[i + 1][0].endswith(".safetensors") for i in logs)  # each checkpoint's first file follows
+
+
 def test_resume_refuses_a_log_corrupt_in_the_middle(tmp_path, capsys):
     b, _ = _crashed_at_step_3(tmp_path, "")
     lines = (b / "metrics.jsonl").read_text().splitlines()
