@@ -240,17 +240,17 @@ def _pandas_column(col: Any, name: str) -> RawColumn | np.ndarray:
     if isinstance(dtype, pd.CategoricalDtype):  # categorical whatever its categories (ints included)
         return RawColumn("categorical", np.array([None if _is_missing(v) else category_string(v)
                                                   for v in col.astype(object)], dtype=object))
-    values = None
-    if isinstance(dtype, pd.PeriodDtype):  # a period reads as its start, a timestamp
-        col, values = col.dt.start_time, "dates"
+    if isinstance(dtype, pd.PeriodDtype):  # a period reads as its start, a timestamp without a time zone
+        col = col.dt.start_time
         dtype = col.dtype
     arrow = dtype.pyarrow_dtype if isinstance(dtype, pd.ArrowDtype) else None
+    values = None
     if arrow is not None and _is_arrow_temporal(arrow):
-        values = values or _arrow_value_kind(arrow)
+        values = _arrow_value_kind(arrow)
     elif isinstance(dtype, pd.DatetimeTZDtype):
-        values = values or "dates with a time zone"
+        values = "dates with a time zone"
     elif pd.api.types.is_datetime64_any_dtype(dtype):
-        values = values or "dates"
+        values = "dates"
     elif pd.api.types.is_timedelta64_dtype(dtype):
         values = "durations"
     if values is not None:
