@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tabfm.data.config import DataConfig, TableConfig
 from tabfm.data.priors.mix import PRIOR_NAMES, PriorConfig
+from tabfm.out_paths import file_in_the_way
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +53,9 @@ def prepare_out(out: str, overwrite: bool) -> None:
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
+    blocker = file_in_the_way(folder)
+    if blocker is not None:
+        raise ValueError(f"--out {out}: {blocker} is a file, not a folder")
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:

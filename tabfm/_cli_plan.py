@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tabfm.out_paths import check_png
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the `tabfm` command."""
@@ -34,20 +36,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _check_png(path: str) -> None:
-    """A PNG path that can be written: a .png name in a folder (or one that can be made)."""
-    from pathlib import Path
-
-    p = Path(path)
-    if p.suffix.lower() != ".png":
-        raise ValueError(f"--png {path}: the chart is a PNG; give a file name ending in .png")
-    if p.is_dir():
-        raise ValueError(f"--png {path} is a folder; give a file name ending in .png")
-    blocker = next((q for q in p.parents if q.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ValueError(f"--png {path}: {blocker} is a file, not a folder")
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the ranked table (and draw it); 0 on success, 2 on bad input (with what to change)."""
     from tabfm.config import load_topology
@@ -66,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         if args.top is not None and args.top < 1:
             raise ValueError(f"--top must be a positive integer, got {args.top}")
         if args.png:  # checked before the planning, not after it
-            _check_png(args.png)
+            check_png(args.png, "--png")
         if args.topology == "measure":
             topology = load_or_measure(args.nproc)
         else:

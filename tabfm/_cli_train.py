@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tabfm._cli_demo import parse_layout
+from tabfm.out_paths import check_png, checkpoints_of
 
 
 def add_parser(subparsers) -> None:
@@ -94,7 +95,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file() and path.name == "latest":
         return read_latest(path)
-    if (path / "checkpoints").is_dir():
+    if checkpoints_of(path).is_dir():
         latest = latest_checkpoint(path)
         if latest is None:
             raise ValueError(f"run {path} has no complete checkpoint yet")
@@ -179,9 +180,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    out = Path(output) if output else Path(run_dir) / "curves.png"
-    if out.is_dir() or out.suffix.lower() != ".png":  # matplotlib would add .png, or pick another format
-        raise ValueError(f"{out}: give a file name ending in .png (the default is RUN_DIR/curves.png)")
+    out = check_png(output if output else Path(run_dir) / "curves.png", "-o")
     train, evals = read_metrics(run_dir)
     if not train:
         raise ValueError(f"{run_dir}/metrics.jsonl has no training lines yet")

@@ -23,6 +23,7 @@ from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dic
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.checkpoint_run import LATEST
 from tabfm.model import ModelConfig, TabFM, build_model
+from tabfm.out_paths import CHECKPOINTS
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import shard_tensor
 from tabfm.parallel_model import ParallelOptions, parallelize_model
@@ -50,7 +51,7 @@ def _check_outside_runs(out: Path, d0: int, d1: int) -> None:
     `latest` pointer): a --resume would take a step_N there for that run's own state, with another step and
     layout than its name and the run's config say, and the run's pruning deletes what it does not count."""
     parent = out.resolve().parent
-    if parent.name == "checkpoints" or (parent / LATEST).exists():
+    if parent.name == CHECKPOINTS or (parent / LATEST).exists():
         raise ValueError(f"{out} is inside a run's checkpoints folder ({parent}), where it would be taken for one "
                          f"of the run's own checkpoints; write it outside, e.g. {parent.parent / f'resharded_{d0}x{d1}'}")
 

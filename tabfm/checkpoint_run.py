@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from tabfm.checkpoint_format import MANIFEST
+from tabfm.out_paths import checkpoints_of
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step_[0-9]+")
@@ -62,7 +63,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The checkpoint a run resumes from: the one <out_dir>/checkpoints/latest names when it is complete, else
     the newest complete step_<digits> folder; None when there is none. A `latest` file naming anything but a
     step_<digits> folder is refused (ValueError)."""
-    root = Path(out_dir) / "checkpoints"
+    root = checkpoints_of(out_dir)
     if root.is_symlink():
         raise ValueError(f"{root} is a link (to {root.resolve()}); a run reads checkpoints of its own folder only: "
                          "copy them in, or point train.out_dir (or the command) at the run that holds them")

@@ -47,6 +47,7 @@ from tabfm._cli_train import add_run_dir_arguments, read_metrics_file
 from tabfm.checkpoint import latest_checkpoint
 from tabfm.config import RunConfig, dump_config, load_config
 from tabfm.layout import check_layout, fitting_layouts
+from tabfm.out_paths import CHECKPOINTS, checkpoints_of, file_in_the_way
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
 from tabfm.parallel.process_group import process_group
 from tabfm.train_checkpoints import CheckpointManager
@@ -85,14 +86,14 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
         raise LayoutError(f"{e}{hint}") from None
 
 
-RUN_FILES = ("metrics.jsonl", "curves.png", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "curves.png", CHECKPOINTS)
 """What a run leaves in its out_dir and `--overwrite` removes (config.yaml and layout.json are rewritten anyway)."""
 
 
 def previous_run(out_dir: Path) -> list[str]:
     """What of an earlier run `out_dir` holds: a non-empty metrics log and a non-empty checkpoints folder."""
     held = []
-    metrics, ckpts = out_dir / "metrics.jsonl", out_dir / "checkpoints"
+    metrics, ckpts = out_dir / "metrics.jsonl", checkpoints_of(out_dir)
     if metrics.is_file() and metrics.stat().st_size:
         held.append(str(metrics))
     if ckpts.is_dir() and any(ckpts.iterdir()):
@@ -258,8 +259,8 @@ def _check_out_dir_path(out_dir: Path) -> None:
     """train.out_dir must be (or become) a folder, and what a run writes there must not be a link out of it."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"train.out_dir={out_dir} is a file; give a folder")
-    blocker = next((p for p in out_dir.parents if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
+    blocker = file_in_the_way(out_dir)
+    if blocker is not None:
         raise ValueError(f"train.out_dir={out_dir} lies under {blocker}, which is a file; give a folder")
     for name in ("config.yaml", "layout.json", *RUN_FILES):
         if (out_dir / name).is_symlink():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tabfm import checkpoint as ckpt
 from tabfm.config import RunConfig
 from tabfm.model import TabFM
+from tabfm.out_paths import checkpoints_of
 from tabfm.parallel.mesh import TPMesh
 from tabfm.train_log import MetricsLog
 
@@ -31,7 +32,7 @@ class CheckpointManager:
                  resume: str | None = None, metrics: MetricsLog | None = None, rank0: bool = True,
                  run_config: dict[str, Any] | None = None, data_seed: int | None = None) -> None:
         self.out_dir = Path(out_dir)
-        self.root = self.out_dir / "checkpoints"
+        self.root = checkpoints_of(self.out_dir)
         self.mesh, self.every, self.keep = mesh, every, keep
         self.resuming, self.metrics, self.rank0 = resume is not None, metrics, rank0
         self.run_config, self.data_seed = run_config, data_seed

@@ -119,3 +119,6 @@ def test_gen_refuses_a_file_as_out(tmp_path, capsys):
     assert _gen(f, 1) == 2
     assert capsys.readouterr().err.strip() == f"tabfm gen: error: --out {f} is a file, not a folder"
     assert f.read_text() == "keep"
+    assert _gen(f / "tables", 1) == 2  # a folder under a file: refused before the first table, not by mkdir's errno
+    assert capsys.readouterr().err.strip() == f"tabfm gen: error: --out {f / 'tables'}: {f} is a file, not a folder"
+    assert f.read_text() == "keep"

@@ -50,6 +50,9 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     for bad in (tmp_path, tmp_path / "curves.txt"):  # found by a hunt: a folder wrote folder.png, reported folder
         assert cli.main(["plot-run", str(run), "-o", str(bad)]) == 2
         assert "give a file name ending in .png" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("keep")
+    assert cli.main(["plot-run", str(run), "-o", str(tmp_path / "a_file" / "curves.png")]) == 2
+    assert f"{tmp_path / 'a_file'} is a file, not a folder" in capsys.readouterr().err
     assert cli.main(["plot-run", str(run)]) == 0
     png = run / "curves.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,34 @@
+"""Where a command may write, checked before it does any work: a chart's .png name, a folder that a file above it
+would block, and the name of a run's checkpoints folder. Standard library only, so a launching process checks
+these without importing torch, and every command says the same thing about the same mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+"""The folder of a run's out_dir that holds its step_<digits> checkpoints and the `latest` pointer."""
+
+
+def checkpoints_of(out_dir: str | Path) -> Path:
+    """The checkpoints folder of the run in `out_dir`."""
+    return Path(out_dir) / CHECKPOINTS
+
+
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The nearest existing path above `path` when it is not a folder (so `path` can never be made), else None."""
+    above = next((p for p in Path(path).parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
+def check_png(path: str | Path, flag: str) -> Path:
+    """`path` as a chart can be written there: a file name ending in .png (matplotlib would otherwise add .png,
+    or pick another format from the suffix), not a folder, with no file where a folder above it must be.
+    `flag` names the option in the message, e.g. "--png"."""
+    p = Path(path)
+    if p.is_dir() or p.suffix.lower() != ".png":
+        raise ValueError(f"{flag} {path}: give a file name ending in .png")
+    blocker = file_in_the_way(p)
+    if blocker is not None:
+        raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder")
+    return p
