@@ -165,13 +165,17 @@ def load_train(args: argparse.Namespace):
              f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)
     if args.target not in train.columns:
         raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
-    unlabelled = train.get_column(args.target).null_count()
+    target = train.get_column(args.target)
+    labelled = target.is_not_null()
+    if target.dtype.is_float():  # a Parquet file's NaN is a missing target too, as a CSV's "NaN" cell is null
+        labelled = labelled & ~target.is_nan().fill_null(False)
+    unlabelled = train.height - int(labelled.sum())
     if unlabelled == train.height:
         raise ValueError(f"{args.train}: the target column {args.target!r} is empty (every cell is missing)")
     if unlabelled:
         _say(args, f"{args.train}: {unlabelled} of {train.height} rows have no {args.target!r} value; they are left "
              "out", warning=True)
-        train = train.filter(train.get_column(args.target).is_not_null())
+        train = train.filter(labelled)
     y = train.get_column(args.target)
     X = train.drop(args.target)
     if not X.columns:
@@ -318,7 +322,8 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
-    y_values = y.to_numpy() if task == "regression" else y.cast(pl.String).to_numpy()
+    # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text
+    y_values = y.to_numpy() if task == "regression" or y.dtype.is_numeric() else y.cast(pl.String).to_numpy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumericTextWarning)  # read_tables said it already, with the CLI's remedy
         return est.fit(X, y_values)

@@ -6,6 +6,7 @@ split on 2 gloo ranks) that write the one-process predictions."""
 from __future__ import annotations
 
 import csv
+import io
 import re
 import subprocess
 import sys
@@ -62,6 +63,21 @@ def test_predict_proba_parquet_and_stdout(tables, capsys):
     proba = np.array([[float(v) for v in line.split(",")[1:]] for line in lines[1:]])
     assert np.allclose(proba.sum(1), 1, atol=1e-5)
     assert labels == [("no", "yes")[i] for i in proba.argmax(1)]
+
+
+def test_integer_classes_keep_their_numeric_order(tables, capsys):
+    """Found by a hunt: the classes were read as text, so --proba wrote proba_1, proba_10, proba_2, not the order
+    of est.classes_ in Python."""
+    train = pl.read_csv(tables / "train.csv")
+    grade = pl.Series("grade", [(1, 2, 10)[i % 3] for i in range(train.height)])
+    train.drop("label").with_columns(grade).write_csv(tables / "grades.csv")
+    rc = main(["predict", "--train", str(tables / "grades.csv"), "--target", "grade", "--test", str(tables / "test.csv"),
+               "--task", "classification", "--proba", "--n-estimators", "1", "--quiet"])
+    assert rc == 0
+    pred = pl.read_csv(io.StringIO(capsys.readouterr().out))
+    assert pred.columns == ["grade", "proba_1", "proba_2", "proba_10"]
+    assert pred["grade"].dtype == pl.Int64
+    assert pred["grade"].to_list() == [(1, 2, 10)[i] for i in pred.drop("grade").to_numpy().argmax(1)]
 
 
 def test_predict_regression_is_inferred(tables):
@@ -301,6 +317,19 @@ def test_rows_without_a_target_are_left_out_with_a_warning(tables, capsys):
         "left out"
     assert error == "tabfm predict: error: --proba is for classification; this target is treated as regression " \
         "(use --task)"
+
+    # found by a hunt: a Parquet target's NaN (as polars and pyarrow write a float gap) stopped the run as bad y,
+    # while the same rows in a CSV were left out
+    frame = pl.read_csv(tables / "train.csv").with_columns(
+        pl.when(pl.int_range(pl.len()) < 3).then(float("nan")).otherwise(pl.col("amount")).alias("amount"))
+    frame.write_parquet(tables / "nan.parquet")
+    argv = ["predict", "--train", str(tables / "nan.parquet"), "--target", "amount", "--test", str(tables / "test.csv"),
+            "--task", "regression", "--proba"]
+    assert main(argv) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == f"tabfm predict: warning: {tables / 'nan.parquet'}: 3 of 90 rows have no 'amount' value; they " \
+        "are left out"
+    assert error.startswith("tabfm predict: error: --proba is for classification")
 
 
 @pytest.mark.parametrize("target, test, suffix, extra", [
