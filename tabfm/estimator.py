@@ -425,8 +425,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables wider than that.
     checkpoint : str, path or None, default=None
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
-    categorical_features : "auto" or list of int or str, default="auto"
-        Columns to treat as categorical besides strings, booleans and categorical dtypes.
+    categorical_features : "auto", list of int or str, or boolean mask, default="auto"
+        Columns to treat as categorical besides strings, booleans and categorical dtypes: their indices or names,
+        or one boolean per column (as scikit-learn's HistGradientBoosting takes).
     max_context_rows : int or None, default=None
         Subsample the train rows per member; None: all of them (ignored where local contexts are used).
     batch_size : int, default=1024

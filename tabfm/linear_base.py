@@ -22,6 +22,7 @@ units of tabfm.target_transform.TargetScale, and the fitted base is a handful of
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,7 +169,9 @@ class LogisticModel:
             log_prior = np.log(counts / counts.sum())
             intercept = log_prior[1:] - log_prior[:1] if len(classes) == 2 else log_prior
             return cls(design, np.zeros((len(intercept), 0)), intercept, classes.astype(np.int64), n_classes)
-        lr = LogisticRegression(max_iter=1000).fit(design(cells), y)
+        with warnings.catch_warnings():  # "more classes than half the rows ... a regression problem?": the
+            warnings.filterwarnings("ignore", "The number of unique classes", UserWarning)  # classes are given
+            lr = LogisticRegression(max_iter=1000).fit(design(cells), y)
         return cls(design, np.asarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
                    np.asarray(lr.classes_, np.int64), n_classes)
 

@@ -44,6 +44,8 @@ from tabfm.data.encode import category_codes
 NUMERIC_TRANSFORMS = ("none", "robust", "quantile", "power")
 SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
+UNSEEN_SHOWN = 5
+"""Columns named in the warning about unseen categories at predict (the rest are counted)."""
 POWER_FIT_ROWS = 500
 """Train rows (a fixed random subset) that the Yeo-Johnson exponents are fitted on: 500 rows pin an exponent down
 well, and the search's cost grows with the rows (tabfm.yeo_johnson)."""
@@ -144,6 +146,8 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
         return names, [X.iloc[:, i] for i in range(X.shape[1])]
     try:
         arr = np.asarray(unmask(X))
+        if arr.dtype.kind in "US" and isinstance(X, list | tuple):  # numpy turns 1.5 beside "red" into "1.5"
+            arr = np.asarray(X, dtype=object)
     except ValueError:  # ragged rows
         raise ValueError("X's rows have different lengths: give every row one value per column (None where "
                          "missing)") from None
@@ -152,6 +156,8 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     if arr.ndim == 1:
         raise ValueError(f"X must be 2-D (rows x features); got a 1-D array of {arr.shape[0]} values. Reshape your "
                          "data: X.reshape(-1, 1) for one feature or X.reshape(1, -1) for one row")
+    if arr.ndim == 0:
+        raise ValueError(f"X must be a table (an array, a list of rows, a DataFrame); got a {type(X).__name__}")
     if arr.ndim != 2:
         raise ValueError(f"X must be 2-D (rows x features); got shape {arr.shape}")
     return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])]
@@ -472,6 +478,12 @@ class TablePreprocessor:
                 raise ValueError(f"categorical_features must be 'auto' or a list of column indices or names, "
                                  f"got {self.categorical_features!r}")
             return set()
+        flags = list(self.categorical_features)
+        if flags and all(isinstance(c, bool | np.bool_) for c in flags):  # a mask, as scikit-learn's estimators take
+            if len(flags) != len(names):
+                raise ValueError(f"categorical_features is a mask of {len(flags)} booleans for {len(names)} columns: "
+                                 "give one per column of X")
+            return {i for i, flag in enumerate(flags) if flag}
         out = set()
         for c in self.categorical_features:
             if isinstance(c, numbers.Integral) and not isinstance(c, bool):
@@ -570,8 +582,8 @@ class TablePreprocessor:
                     kind, raw = "numeric", np.full(n, np.nan)
                 if kind != "numeric":
                     example = next((v for v in raw if v is not None), None)
-                    raise ValueError(f"column {c.name!r} was numeric at fit but holds strings now (e.g. {example!r}); "
-                                     "pass the same kind of data as at fit")
+                    raise ValueError(f"column {c.name!r} held {c.values or 'numbers'} at fit but holds strings now "
+                                     f"(e.g. {example!r}); pass the same kind of data as at fit")
                 if np.isinf(raw).any():
                     raise ValueError(f"column {c.name!r} holds inf; replace it with a finite value or NaN (missing)")
                 if c.values and now and now != c.values and not np.isnan(raw).all():
@@ -585,9 +597,11 @@ class TablePreprocessor:
                 is_cat[j], n_cats[j] = True, len(c.categories)
                 unseen.append(_unseen_note(c, raw, codes[:, j]))
         if any(unseen):
+            notes = [u for u in unseen if u]
+            more = f"; and {len(notes) - UNSEEN_SHOWN} more columns" if len(notes) > UNSEEN_SHOWN else ""
             warnings.warn(f"categorical columns hold mostly values never seen at fit, which read as missing: "
-                          f"{'; '.join(u for u in unseen if u)}. Pass the values as at fit (the same strings or types, "
-                          "not codes of them)", UserWarning, stacklevel=2)
+                          f"{'; '.join(notes[:UNSEEN_SHOWN])}{more}. Pass the values as at fit (the same strings or "
+                          "types, not codes of them)", UserWarning, stacklevel=2)
         return Cells(values, codes, is_cat, n_cats)
 
     def _check_names(self, X: Any, names: list[str]) -> None:

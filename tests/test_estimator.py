@@ -153,7 +153,7 @@ def test_bad_predict_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="mixes numbers and strings"):
         clf.predict(strings)
     all_strings = df.assign(x=["s"] * len(df))
-    with pytest.raises(ValueError, match="numeric at fit but holds strings"):
+    with pytest.raises(ValueError, match="held numbers at fit but holds strings"):
         clf.predict(all_strings)
     with pytest.raises(ValueError, match="feature names"):
         clf.predict(df.rename(columns={"x": "renamed"}))

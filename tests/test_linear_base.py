@@ -1,6 +1,8 @@
 """tabfm.linear_base: the regressor's ridge under the model (its residuals, what it adds back) and the
 classifier's logistic regression weighed in at calibration."""
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -218,3 +220,13 @@ def test_columns_of_extreme_magnitudes_give_a_finite_design():
     assert np.isfinite(base.design(cells)).all() and np.isfinite(oof).all()
     assert np.isfinite(base.predict(cells)).all()
     assert base.design(cells)[:, 2].std() > 0  # the column near float64's limit still carries its values
+
+
+def test_many_classes_fit_without_scikit_learn_asking_whether_it_is_regression():
+    """A fuzzer's finding: LogisticRegression's "more unique classes than half the samples" warning reached users
+    who had given classes."""
+    X = pd.DataFrame({"a": np.random.default_rng(0).normal(size=60)})
+    pre = TablePreprocessor().fit(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LogisticModel.fit(pre.transform(X), np.arange(60) % 40, 40)
