@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tabfm.numeric_bounds import NumericBounds
+
 N_FOLDS = 5
 MIN_ROWS = 4 * N_FOLDS
 """Fewer train rows than this: no ridge, the base is the mean (too few rows for out-of-fold residuals)."""
@@ -64,6 +66,10 @@ class LinearDesign:
     """[Cc] positions of the one-hot categorical columns."""
     n_cats: np.ndarray
     """[Cc] their category counts (missing / unseen: no category)."""
+    squeeze: np.ndarray | None = None
+    """[Cn] whether each column's values past its inliers are squeezed (tabfm.numeric_bounds: `means` and
+    `scales` are then its inliers' statistics, so one extreme cell does not flatten the column for the linear
+    model either); None in estimators saved before, which standardise by the plain statistics."""
 
     @classmethod
     def fit(cls, cells) -> LinearDesign:
@@ -76,16 +82,14 @@ class LinearDesign:
         medians = np.array([np.median(values[observed[:, j], j]) if observed[:, j].any() else 0.0
                             for j in range(len(numeric))])
         filled = np.where(observed, values, medians)
-        scales = filled.std(0) if len(filled) else np.ones(len(numeric))
+        bounds = NumericBounds.fit(filled)
         categorical = np.flatnonzero(cells.is_cat & (cells.n_cats <= MAX_ONEHOT))
-        means = filled.mean(0) if len(filled) else medians
-        scales = np.where(scales > 0, scales, 1.0)
-        standard = (filled - means) / scales
+        standard = bounds.apply(filled)
         lows = standard.min(0) if len(standard) else np.zeros(len(numeric))
         highs = standard.max(0) if len(standard) else np.zeros(len(numeric))
-        return cls(numeric=numeric, peaks=peaks, medians=medians, means=means, scales=scales, lows=lows,
-                   highs=highs, indicators=np.flatnonzero((~observed).any(0)), categorical=categorical,
-                   n_cats=cells.n_cats[categorical].astype(np.int64))
+        return cls(numeric=numeric, peaks=peaks, medians=medians, means=bounds.center, scales=bounds.spread,
+                   lows=lows, highs=highs, indicators=np.flatnonzero((~observed).any(0)), categorical=categorical,
+                   n_cats=cells.n_cats[categorical].astype(np.int64), squeeze=bounds.squeeze)
 
     @property
     def width(self) -> int:
@@ -95,8 +99,12 @@ class LinearDesign:
         """[n, width] float64 design matrix of the rows of `cells`."""
         values = cells.values[:, self.numeric] / self.peaks
         missing = np.isnan(values)
+        filled = np.where(missing, self.medians, values)
         with np.errstate(all="ignore"):  # a test value far past the train rows may overflow: held in range
-            standard = (np.where(missing, self.medians, values) - self.means) / self.scales
+            if self.squeeze is None:
+                standard = (filled - self.means) / self.scales
+            else:
+                standard = NumericBounds(self.means, self.scales, self.squeeze).apply(filled)
         standard = np.clip(np.nan_to_num(standard, nan=0.0, posinf=np.inf, neginf=-np.inf), self.lows, self.highs)
         parts = [standard, missing[:, self.indicators].astype(np.float64)]
         for c, k in zip(self.categorical, self.n_cats, strict=True):

@@ -57,6 +57,7 @@ def _whitelist() -> dict[str, type]:
     from tabfm.linear_base import LinearBase, LinearDesign, LogisticModel
     from tabfm.local_context import LocalContexts
     from tabfm.model import Context
+    from tabfm.numeric_bounds import NumericBounds
     from tabfm.preprocess import Cells, Column, TablePreprocessor
     from tabfm.target_transform import TargetScale, TargetTransform
     from tabfm.yeo_johnson import YeoJohnson
@@ -67,7 +68,7 @@ def _whitelist() -> dict[str, type]:
                "sklearn.preprocessing.PowerTransformer": PowerTransformer,  # in files saved before YeoJohnson
                "sklearn.pipeline.Pipeline": Pipeline}
     for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform,
-                LinearBase, LinearDesign, LogisticModel, LocalContexts, YeoJohnson):
+                LinearBase, LinearDesign, LogisticModel, LocalContexts, YeoJohnson, NumericBounds):
         classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return classes
 

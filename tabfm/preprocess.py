@@ -40,6 +40,7 @@ import numpy as np
 import polars as pl
 
 from tabfm.data.encode import category_codes
+from tabfm.numeric_bounds import NumericBounds
 
 NUMERIC_TRANSFORMS = ("none", "robust", "quantile", "power")
 SCALINGS = NUMERIC_TRANSFORMS
@@ -533,7 +534,9 @@ class TablePreprocessor:
         # values near float64's limits (1e308) no longer overflow a variance or a float32 cast
         peak = np.nanmax(np.abs(numeric), axis=0, initial=0.0) if numeric.size else np.zeros(numeric.shape[1])
         self.peak_ = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
-        self.scalers_ = {kind: self._fit_scaler(kind, numeric / self.peak_) for kind in self.transforms}
+        self.bounds_ = NumericBounds.fit(numeric / self.peak_)
+        bounded = self.bounds_.apply(numeric / self.peak_)
+        self.scalers_ = {kind: self._fit_scaler(kind, bounded) for kind in self.transforms}
         return self
 
     @staticmethod
@@ -628,6 +631,8 @@ class TablePreprocessor:
             return values.copy()
         every = len(numeric) == values.shape[1]  # then whole arrays, not a gather and a scatter of every cell
         x = (values if every else values[:, numeric]) / self.peak_
+        if getattr(self, "bounds_", None) is not None:  # absent in an estimator saved before the bounds existed
+            x = self.bounds_.apply(x)
         if self.scalers_[kind] is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
