@@ -54,7 +54,7 @@ from tabfm.precision import autocast
 from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
-                              torch_threads)
+                              resolve_seed, torch_threads)
 
 
 def _threaded(method):
@@ -100,7 +100,8 @@ class _TabFMBase(BaseEstimator):
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
-                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 sequence_parallel: bool = True,
+                 random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256):
         self.n_estimators = n_estimators
         self.numeric_transforms = numeric_transforms
@@ -134,6 +135,7 @@ class _TabFMBase(BaseEstimator):
         """Check the parameters and load the model, once per fit, as `model_` (before anything is learnt from the
         data); every later step of fit and predict uses it."""
         self.device_ = resolve_device(self.device)
+        self.seed_ = resolve_seed(self.random_state)
         self.dtype_ = resolve_weight_dtype(self.dtype)
         self.precision_ = resolve_precision(self.precision, self.dtype_, self.device_)
         self.__dict__.pop("model_", None)  # a refit loads afresh: the checkpoint, device or layout may have changed
@@ -157,7 +159,7 @@ class _TabFMBase(BaseEstimator):
                              f"member {shown}, but the model takes at most {limit}: set max_features to at most "
                              f"{limit} (members then see subsets; the default is 24)")
         y = self._context_targets(cells, y)
-        rng = np.random.default_rng(self.random_state)
+        rng = np.random.default_rng(self.seed_)
         self.n_members_ = n_members
         relevance = (None if members_see_every_column(n_members, C, self.max_features)
                      else column_relevance(cells, self._relevance_targets(y)))
@@ -443,7 +445,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Split the model over a d0 x d1 mesh of processes launched by torchrun.
     sequence_parallel : bool, default=True
         With tensor_parallel, also split each stage's rows over mesh axis 0.
-    random_state : int or None, default=0
+    random_state : int, RandomState, Generator or None, default=0
+        Seeds the members' views, local contexts and calibration rows: an int gives the same fit every time;
+        a RandomState or Generator gives a seed drawn from it at each fit (advancing it); None fresh entropy.
     verbose : bool, default=False
         A progress bar over test batches.
     n_jobs : int or None, default=None
@@ -480,7 +484,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
-                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 sequence_parallel: bool = True,
+                 random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256, average: str = "probability",
                  softmax_temperature: float = 1.0, calibrate: bool = True, linear_blend: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
@@ -511,7 +516,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         n_members = self.n_estimators
         if K > max_classes:
             n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
-        self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.random_state))
+        self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
         self.n_groups_ = min(K, max_classes)
         self._fit_common(X, y_ids.astype(np.int64), n_members, model, encode=False)
         self.temperature_, self.blend_weight_ = self._calibrate() if self.calibrate else (
@@ -536,7 +541,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         and it runs the first calibration.CALIBRATION_MEMBERS members only.
         """
         y, n = self.y_train_, len(self.y_train_)
-        rng = np.random.default_rng(None if self.random_state is None else self.random_state + 1)
+        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)
         held = calibration.held_out_rows(y, len(self.classes_), rng)
         if len(held) < 10:
             return float(self.softmax_temperature), 0.0

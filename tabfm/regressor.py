@@ -53,7 +53,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
-                 sequence_parallel: bool = True, random_state: int | None = 0, verbose: bool = False,
+                 sequence_parallel: bool = True,
+                 random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256,
                  target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
@@ -102,7 +103,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.target_scale_ = TargetScale.fit(y)
         u = self.target_scale_.forward(y)
         if self.linear_base:
-            self.linear_base_, fitted = LinearBase.fit(cells, u, self.random_state)
+            self.linear_base_, fitted = LinearBase.fit(cells, u, self.seed_)
             u = u - fitted
         else:
             self.linear_base_ = None

@@ -56,13 +56,23 @@ ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
     "precision": [StrOptions(set(PRECISIONS))],
     "tensor_parallel": [tuple, list, None],
     "sequence_parallel": ["boolean"],
-    "random_state": [_PositiveInt(0), None],  # numpy's default_rng: non-negative seeds only
+    "random_state": [_PositiveInt(0), np.random.RandomState, np.random.Generator, None],  # resolve_seed
     "verbose": ["verbose"],
     "calibrate": ["boolean"],
     "n_jobs": [_PositiveInt(), Options(numbers.Integral, {-1}), None],
 }
 """scikit-learn parameter constraints of TabFMClassifier / TabFMRegressor (a parameter an estimator lacks is
 skipped, so one dict serves both): set as `_parameter_constraints` and call `self._validate_params()` in fit."""
+
+
+def resolve_seed(random_state: int | np.random.RandomState | np.random.Generator | None) -> int | None:
+    """The seed of one fit: an int as it is (numpy's default_rng takes non-negative ones), None for fresh entropy,
+    or one drawn from a RandomState or Generator, which advances it, as scikit-learn's estimators do with theirs."""
+    if isinstance(random_state, np.random.RandomState):
+        return int(random_state.randint(np.iinfo(np.int32).max))
+    if isinstance(random_state, np.random.Generator):
+        return int(random_state.integers(np.iinfo(np.int32).max))
+    return None if random_state is None else int(random_state)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -19,7 +19,8 @@ from threadpoolctl import threadpool_info
 
 from tabfm.estimator import TabFMClassifier
 from tabfm.preprocess import TablePreprocessor, _raw_column
-from tabfm.validation import ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, torch_threads
+from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, resolve_seed,
+                              torch_threads)
 
 # -- parameters ---------------------------------------------------------------------------------------------
 
@@ -57,7 +58,8 @@ def test_constraints_cover_the_estimator_parameters():
     ("checkpoint", "model.safetensors"), ("checkpoint", Path("m")),
     ("categorical_features", [0, "colour"]), ("device", "cuda:1"), ("device", torch.device("cpu")),
     ("dtype", "bfloat16"), ("dtype", torch.float64), ("precision", "bf16"), ("tensor_parallel", (2, 1)), ("random_state", None),
-    ("random_state", 2**40), ("verbose", 1), ("n_jobs", -1), ("n_jobs", 2),
+    ("random_state", 2**40), ("random_state", np.random.RandomState(0)), ("random_state", np.random.default_rng(0)),
+    ("verbose", 1), ("n_jobs", -1), ("n_jobs", 2),
 ])
 def test_good_parameters_pass(name, value):
     Probe(**{name: value}).fit()
@@ -65,7 +67,7 @@ def test_good_parameters_pass(name, value):
 
 @pytest.mark.parametrize("name, value", [
     ("n_estimators", 0), ("n_estimators", True), ("n_estimators", "4"), ("n_estimators", 2.0),
-    ("batch_size", 0), ("max_context_rows", -5), ("random_state", -1), ("random_state", np.random.RandomState(0)),
+    ("batch_size", 0), ("max_context_rows", -5), ("random_state", -1), ("random_state", "0"),
     ("dtype", torch.int64), ("dtype", "int8"), ("precision", "bfloat16"), ("device", 0), ("checkpoint", 3), ("tensor_parallel", 5),
     ("sequence_parallel", "yes"), ("calibrate", None), ("categorical_features", "all"), ("n_jobs", 0),
     ("n_jobs", -2), ("n_jobs", "2"), ("n_jobs", True),
@@ -349,3 +351,18 @@ def test_estimator_n_jobs_sets_threads_only_during_fit_and_predict(monkeypatch):
     assert seen == [1] and torch.get_num_threads() == before
     clf.predict_proba(df)
     assert torch.get_num_threads() == before
+
+
+def test_a_random_state_object_seeds_each_fit_from_itself():
+    """scikit-learn's convention (a fuzzer found it refused): a RandomState or Generator gives one seed per fit,
+    drawn from it, so equal objects give equal fits and one object gives a new seed at each fit."""
+    assert resolve_seed(7) == 7 and resolve_seed(None) is None
+    a, b = np.random.RandomState(3), np.random.RandomState(3)
+    assert resolve_seed(a) == resolve_seed(b) != resolve_seed(a)
+    g = np.random.default_rng(3)
+    assert resolve_seed(g) == resolve_seed(np.random.default_rng(3)) != resolve_seed(g)
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(60, 3)), np.arange(60) % 2
+    fits = [TabFMClassifier(n_estimators=2, random_state=np.random.RandomState(5)).fit(X, y) for _ in range(2)]
+    assert fits[0].seed_ == fits[1].seed_
+    np.testing.assert_array_equal(fits[0].predict_proba(X[:5]), fits[1].predict_proba(X[:5]))
