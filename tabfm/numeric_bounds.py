@@ -54,6 +54,10 @@ class NumericBounds:
     def apply(self, x: np.ndarray) -> np.ndarray:
         """x [n, C] standardised by the inlier statistics, values past CLIP_SIGMA squeezed (NaN stays NaN)."""
         z = (x - self.center) / self.spread
-        excess = np.abs(z) - CLIP_SIGMA
-        squeezed = np.sign(z) * (CLIP_SIGMA + np.tanh(np.maximum(excess, 0.0)))
-        return np.where(self.squeeze & (excess > 0), squeezed, z)
+        return np.where(self.squeeze, squeeze_outliers(z), z)
+
+
+def squeeze_outliers(z: np.ndarray) -> np.ndarray:
+    """Standardised values z past CLIP_SIGMA squeezed into one more unit by a tanh, keeping their order."""
+    excess = np.abs(z) - CLIP_SIGMA
+    return np.where(excess > 0, np.sign(z) * (CLIP_SIGMA + np.tanh(np.maximum(excess, 0.0))), z)

@@ -19,6 +19,7 @@ from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _fit_or_keep, _TabFMB
 from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
+from tabfm.numeric_bounds import squeeze_outliers
 from tabfm.preprocess import Cells, check_table_shape, unmask
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
@@ -98,10 +99,11 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         return kinds
 
     def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
-        """The members' train targets: y normalised (float64), less the linear base's out-of-fold prediction;
-        each member's target map is fitted on these residuals."""
+        """The members' train targets: y normalised (float64) by its inliers and squeezed past CLIP_SIGMA (one
+        target of 1e9 among values near 1 put predictions 4e5 off; tabfm.numeric_bounds), less the linear base's
+        out-of-fold prediction; each member's target map is fitted on these residuals."""
         self.target_scale_ = TargetScale.fit(y)
-        u = self.target_scale_.forward(y)
+        u = squeeze_outliers(self.target_scale_.forward(y))
         if self.linear_base:
             self.linear_base_, fitted = LinearBase.fit(cells, u, self.seed_)
             u = u - fitted

@@ -3,7 +3,10 @@
 The model predicts a binned distribution over the target standardised with its train rows (TabFM.bin_edges,
 +-bin_range deviations). What the model is shown, per member:
 
-    y  ->  u = (y - center) / scale          float64, so targets of any magnitude (1e-30 .. 1e300) fit float32
+    y  ->  u = (y - center) / scale          float64, so targets of any magnitude (1e-30 .. 1e300) fit float32;
+                                             center and scale are the inliers' (tabfm.numeric_bounds), so one
+                                             extreme target does not flatten the others (the regressor then
+                                             squeezes its train targets past 6 units)
        ->  t = T_m(u)                        T_m: "none", "power" (Yeo-Johnson) or "quantile" (to a normal),
                                              fitted on the train targets: skewed or heavy-tailed targets fill
                                              the bins instead of crowding a few of them
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tabfm.numeric_bounds import NumericBounds
 
 TARGET_TRANSFORMS = ("none", "power", "quantile")
 SUBPOINTS = 8
@@ -39,8 +44,8 @@ class TargetScale:
         peak = float(np.max(np.abs(y)))
         if peak == 0:
             return cls(0.0, 1.0)
-        unit = y / peak  # no overflow in the variance of targets near 1e300
-        center, spread = float(unit.mean()), float(unit.std())
+        bounds = NumericBounds.fit((y / peak)[:, None])  # / peak: no overflow in the variance of targets near 1e300
+        center, spread = float(bounds.center[0]), float(bounds.spread[0])  # the inliers': tabfm.numeric_bounds
         return cls(center * peak, spread * peak if spread > 0 else peak)
 
     def forward(self, y: np.ndarray) -> np.ndarray:
