@@ -16,6 +16,10 @@ def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
     many = held_out_rows(np.zeros(20_000, np.int64), 1, np.random.default_rng(0))
     assert len(many) == CALIBRATION_ROWS and len(np.unique(many)) == CALIBRATION_ROWS
 
+    rare = np.repeat([0, 1, 2, 3, 4], [50, 4, 3, 2, 1])  # classes of 2 to 4 rows are scored too; a single row stays
+    held = held_out_rows(rare, 5, np.random.default_rng(0))
+    assert [int((rare[held] == c).sum()) for c in range(5)] == [10, 1, 1, 1, 0]
+
 
 def _softmax(logits: np.ndarray, t: float) -> np.ndarray:
     z = np.exp(logits / t - (logits / t).max(1, keepdims=True))
