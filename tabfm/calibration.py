@@ -40,7 +40,7 @@ def held_out_rows(y: np.ndarray, n_classes: int, rng: np.random.Generator) -> np
     held = []
     for c in range(n_classes):
         rows = np.flatnonzero(y == c)
-        count = int(0.2 * len(rows)) or min(1, len(rows) - 1)
+        count = max(int(0.2 * len(rows)), 1 if len(rows) >= 2 else 0)
         held.extend(rng.choice(rows, count, replace=False))
     held = np.sort(np.asarray(held, dtype=np.int64))
     if len(held) > CALIBRATION_ROWS:

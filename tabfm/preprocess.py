@@ -534,8 +534,9 @@ class TablePreprocessor:
         # values near float64's limits (1e308) no longer overflow a variance or a float32 cast
         peak = np.nanmax(np.abs(numeric), axis=0, initial=0.0) if numeric.size else np.zeros(numeric.shape[1])
         self.peak_ = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
-        self.bounds_ = NumericBounds.fit(numeric / self.peak_)
-        bounded = self.bounds_.apply(numeric / self.peak_)
+        unit = numeric / self.peak_
+        self.bounds_ = NumericBounds.fit(unit)
+        bounded = self.bounds_.apply(unit)
         self.scalers_ = {kind: self._fit_scaler(kind, bounded) for kind in self.transforms}
         return self
 

@@ -308,28 +308,21 @@ def test_rows_without_a_target_are_left_out_with_a_warning(tables, capsys):
     col = header.split(",").index("label")
     rows = [",".join("NA" if j == col and i < 4 else v for j, v in enumerate(r.split(","))) for i, r in enumerate(rows)]
     (tables / "gaps.csv").write_text("\n".join([header, *rows]) + "\n")
-    # The tables are read and checked first: --proba with --task regression then stops the run before any fitting.
-    argv = ["predict", "--train", str(tables / "gaps.csv"), "--target", "label", "--test", str(tables / "test.csv"),
-            "--task", "regression", "--proba"]
-    assert main(argv) == 2
-    warning, error = capsys.readouterr().err.strip().splitlines()
-    assert warning == f"tabfm predict: warning: {tables / 'gaps.csv'}: 4 of 90 rows have no 'label' value; they are " \
-        "left out"
-    assert error == "tabfm predict: error: --proba is for classification; this target is treated as regression " \
-        "(use --task)"
-
     # found by a hunt: a Parquet target's NaN (as polars and pyarrow write a float gap) stopped the run as bad y,
     # while the same rows in a CSV were left out
-    frame = pl.read_csv(tables / "train.csv").with_columns(
-        pl.when(pl.int_range(pl.len()) < 3).then(float("nan")).otherwise(pl.col("amount")).alias("amount"))
-    frame.write_parquet(tables / "nan.parquet")
-    argv = ["predict", "--train", str(tables / "nan.parquet"), "--target", "amount", "--test", str(tables / "test.csv"),
-            "--task", "regression", "--proba"]
-    assert main(argv) == 2
-    warning, error = capsys.readouterr().err.strip().splitlines()
-    assert warning == f"tabfm predict: warning: {tables / 'nan.parquet'}: 3 of 90 rows have no 'amount' value; they " \
-        "are left out"
-    assert error.startswith("tabfm predict: error: --proba is for classification")
+    pl.read_csv(tables / "train.csv").with_columns(
+        pl.when(pl.int_range(pl.len()) < 3).then(float("nan")).otherwise(pl.col("amount")).alias("amount")
+    ).write_parquet(tables / "nan.parquet")
+    for name, target, gaps in (("gaps.csv", "label", 4), ("nan.parquet", "amount", 3)):
+        # The tables are read and checked first: --proba with --task regression then stops the run before fitting.
+        argv = ["predict", "--train", str(tables / name), "--target", target, "--test", str(tables / "test.csv"),
+                "--task", "regression", "--proba"]
+        assert main(argv) == 2
+        warning, error = capsys.readouterr().err.strip().splitlines()
+        assert warning == f"tabfm predict: warning: {tables / name}: {gaps} of 90 rows have no {target!r} value; " \
+            "they are left out"
+        assert error == "tabfm predict: error: --proba is for classification; this target is treated as " \
+            "regression (use --task)"
 
 
 @pytest.mark.parametrize("target, test, suffix, extra", [
