@@ -141,9 +141,11 @@ class _TabFMBase(BaseEstimator):
         self.__dict__.pop("model_", None)  # a refit loads afresh: the checkpoint, device or layout may have changed
         return self._model()
 
-    def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM, encode: bool = True) -> None:
+    def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM, encode: bool = True,
+                    held: np.ndarray | None = None, held_members: int = 0) -> None:
         """Preprocess, draw the ensemble and (unless encode is False) encode the contexts; y is [n] class ids or
-        float targets."""
+        float targets; held: train rows the first held_members members' local contexts leave out (the
+        classifier's calibration rows)."""
         validate_data(self, X, reset=True, skip_check_array=True)
         kinds = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else tuple(self.numeric_transforms)
         used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # fit only what is used
@@ -165,7 +167,7 @@ class _TabFMBase(BaseEstimator):
                      else column_relevance(cells, self._relevance_targets(y)))
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng, relevance)
-        self._draw_contexts(cells, y, rng, relevance=relevance)
+        self._draw_contexts(cells, y, rng, relevance=relevance, held=held, held_members=held_members)
         self.train_cells_, self.y_train_ = cells, y
         self.contexts_ = None
         if encode:
@@ -184,18 +186,23 @@ class _TabFMBase(BaseEstimator):
         return y
 
     def _draw_contexts(self, cells: Cells, y: np.ndarray, rng: np.random.Generator,
-                       limit: int | None = None, relevance: np.ndarray | None = None) -> None:
+                       limit: int | None = None, relevance: np.ndarray | None = None,
+                       held: np.ndarray | None = None, held_members: int = 0) -> None:
         """The contexts the members are encoded from, as `context_rows_` [U, T] (the train rows of each) and
         `context_members_` [U] (whose they are). With more than local_context_rows train rows, each member gets
         its own local contexts of that many rows (tabfm.local_context, kept as `local_`); otherwise one context
         per member holding every train row, or max_context_rows (or `limit`, the smaller) drawn per member.
-        relevance: the column relevance of these cells and targets, where the caller computed it already."""
+        relevance: the column relevance of these cells and targets, where the caller computed it already; held:
+        rows the first held_members members' local contexts leave out (only with local contexts)."""
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
             self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
-                                            self.local_context_rows, rng, relevance, self.device_)
+                                            self.local_context_rows, rng, relevance, self.device_, held=held,
+                                            held_members=held_members)
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
+        if held is not None and held_members:
+            raise ValueError("held rows are left out of local contexts only")
         self.local_ = None
         self.context_members_ = np.arange(self.n_members_)
         rows = min((r for r in (self.max_context_rows, limit) if r is not None), default=None)
@@ -308,10 +315,11 @@ class _TabFMBase(BaseEstimator):
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
         return self.preprocessor_.transform(X)
 
-    def _cell_outputs(self, cells: Cells, finalize=None) -> np.ndarray:
+    def _cell_outputs(self, cells: Cells, finalize=None, members: int | None = None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
         probabilities), or finalize(outputs, contexts) of each test batch concatenated over the batches, where
-        contexts [M, rows] says which context (index into context_rows_) each member predicted each row from."""
+        contexts [M, rows] says which context (index into context_rows_) each member predicted each row from;
+        members: only the first this many members (M of them), where not all."""
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
         model = self._model()
@@ -324,29 +332,34 @@ class _TabFMBase(BaseEstimator):
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
             sub = cells.take(slice(start, start + self.batch_size))
-            out, units = self._batch_outputs(model, sub, train_points)
+            out, units = self._batch_outputs(model, sub, train_points, members)
             results.append(out if finalize is None else finalize(out, units))
             self._release_heap()
         return np.concatenate(results, axis=0 if finalize is not None else 1)
 
-    def _batch_outputs(self, model: TabFM, cells: Cells,
-                       train_points: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    def _batch_outputs(self, model: TabFM, cells: Cells, train_points: torch.Tensor | None,
+                       members: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(outputs [M, n, Y], contexts [M, n]) of one test batch: every row against each member's one context,
         or with local contexts against the context each member routes it to (tabfm.local_context; train_points:
-        its `points` on device_); the forwards spread over the table threads."""
-        n = len(cells.values)
-        route = None if self.local_ is None else self.local_.route(cells, train_points)  # [M, n]
-        units_of = (np.tile(self.context_members_[:, None], (1, n)) if route is None else route)
+        its `points` on device_); the forwards spread over the table threads. members: the first M members only
+        (None: all)."""
+        n, M = len(cells.values), self.n_members_ if members is None else members
+        route = None if self.local_ is None else self.local_.route(cells, train_points)[:M]  # [M, n]
+        units_of = (np.tile(self.context_members_[:M, None], (1, n)) if route is None else route)
         scaled = self._scaled(cells, np.unique(units_of))
         sizes = self._forward_sizes()
         jobs = []  # (context, its tables in this forward, their units, each one's test rows)
         for units, context in self.contexts_:
             if route is None:  # every table reads every row: split the rows, not the tables (and their caches)
-                count = sizes.test_rows(n, len(units), context.num_columns)
-                jobs += [(context, np.arange(len(units)), units, [part] * len(units))
+                tables = np.flatnonzero(self.context_members_[units] < M)
+                if len(tables) == 0:
+                    continue
+                count = sizes.test_rows(n, len(tables), context.num_columns)
+                jobs += [(context, tables, units[tables], [part] * len(tables))
                          for part in np.array_split(np.arange(n), count)]
                 continue
-            rows = [np.flatnonzero(route[self.context_members_[u]] == u) for u in units]
+            rows = [np.flatnonzero(route[self.context_members_[u]] == u) if self.context_members_[u] < M
+                    else np.empty(0, np.int64) for u in units]
             for tables in padded_chunks([len(r) for r in rows]):
                 count = sizes.tables(len(tables), len(rows[tables[0]]), context.num_columns,
                                      cache_rows=context.n_train)
@@ -364,7 +377,7 @@ class _TabFMBase(BaseEstimator):
         out = None
         for (_, _, units, rows), res in zip(jobs, map_tables(forward, jobs, sizes.workers), strict=True):
             if out is None:
-                out = np.empty((self.n_members_, n, res.shape[-1]), np.float64)
+                out = np.empty((M, n, res.shape[-1]), np.float64)
             for j, r in enumerate(rows):
                 out[self.context_members_[units[j]], r] = res[j, :len(r)]
         return out, units_of
@@ -518,33 +531,64 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
         self.n_groups_ = min(K, max_classes)
-        self._fit_common(X, y_ids.astype(np.int64), n_members, model, encode=False)
-        self.temperature_, self.blend_weight_ = self._calibrate() if self.calibrate else (
-            float(self.softmax_temperature), 0.0)
+        y_ids = y_ids.astype(np.int64)
+        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)  # calibration's own draws
+        held = self._calibration_rows(y_ids, rng) if self.calibrate else np.empty(0, np.int64)
+        held_members = self._held_members(n_members, len(y_ids) - len(held))
+        if len(held) and held_members:
+            self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
+            self.temperature_, self.blend_weight_ = self._fit_temperature(
+                self._cell_outputs(self.train_cells_.take(held), members=held_members), held)
+        else:
+            self._fit_common(X, y_ids, n_members, model, encode=False)
+            self.temperature_, self.blend_weight_ = (self._calibrate(held, rng) if len(held) else
+                                                     (float(self.softmax_temperature), 0.0))
+            self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
         self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K)
                               if self.blend_weight_ > 0 else None)
-        self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
         return self
 
-    def _calibrate(self) -> tuple[float, float]:
-        """(softmax temperature, blend weight) that minimise the log-loss of held-out train rows
-        (tabfm.calibration.held_out_rows) predicted from the other train rows by the same ensemble, and with
-        linear_blend by a logistic regression fitted on those rows too; (softmax_temperature, 0) when too few
-        rows.
+    def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The train rows (class ids y) calibration predicts (tabfm.calibration.held_out_rows); none where fewer
+        than 10, too few to fit a temperature to."""
+        held = calibration.held_out_rows(y, len(self.classes_), rng)
+        return held if len(held) >= 10 else np.empty(0, np.int64)
 
-        This probe is a second encoding, and it has to be: an honest held-out prediction needs a context without
-        the held rows, and nothing of the full contexts carries over to one, since every stage that reads train
-        rows mixes all of them (the cell statistics, the attention down each column, the in-context transformer),
-        so dropping rows changes every cached key and value. It is kept cheap instead: its context holds at most
-        half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before
-        the full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both;
-        and it runs the first calibration.CALIBRATION_MEMBERS members only.
+    def _held_members(self, n_members: int, kept: int) -> int:
+        """How many first members leave the calibration rows out of their local contexts and predict them
+        (calibration.held_members), with `kept` train rows left; 0 (calibrate through a probe) without local
+        contexts, with too few rows left to fill one, or with more classes than the model's head (every member
+        is then needed to decode them)."""
+        if (self.local_context_rows is None or kept <= self.local_context_rows
+                or len(self.classes_) > self.n_groups_):
+            return 0
+        return calibration.held_members(n_members)
+
+    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float]:
+        """(softmax temperature, blend weight) that minimise the log-loss of the train rows `held`, given the
+        members' predictions of them logp [M, h, G] from contexts without them, and with linear_blend a logistic
+        regression's fitted on the other train rows."""
+        y, K = self.y_train_, len(self.classes_)
+        keep = np.setdiff1d(np.arange(len(y)), held)
+        held_cells = self.train_cells_.take(held)
+        weights, linear = np.zeros(1), np.zeros((len(held), K))
+        if self.linear_blend and len(np.unique(y[keep])) > 1:
+            weights = calibration.BLEND_WEIGHTS
+            linear = LogisticModel.fit(self.train_cells_.take(keep), y[keep], K).predict_proba(held_cells)
+        return calibration.fit_temperature_and_blend(lambda t: self._combine(logp, t), linear, y[held], weights)
+
+    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+        """(softmax temperature, blend weight) from the calibration rows `held` predicted by a probe: the same
+        ensemble fitted on the other train rows. Where the first members' local contexts cannot leave the rows
+        out (no local contexts, or too many classes), an honest held-out prediction needs a second encoding:
+        nothing of the full contexts carries over to one, since every stage that reads train rows mixes all of
+        them (the cell statistics, the attention down each column, the in-context transformer). It is kept
+        cheap: its context holds at most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn
+        per member, and it runs before the full contexts are encoded, its caches freed first, so peak memory is
+        the larger encoding, not both; and it runs the first calibration.CALIBRATION_MEMBERS members only,
+        where the classes allow.
         """
         y, n = self.y_train_, len(self.y_train_)
-        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)
-        held = calibration.held_out_rows(y, len(self.classes_), rng)
-        if len(held) < 10:
-            return float(self.softmax_temperature), 0.0
         keep = np.setdiff1d(np.arange(n), held)
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
@@ -556,13 +600,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
                              max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
-        held_cells = self.train_cells_.take(held)
-        logp = probe._cell_outputs(held_cells)
-        weights, linear = np.zeros(1), np.zeros((len(held), len(self.classes_)))
-        if self.linear_blend and len(np.unique(y[keep])) > 1:
-            weights = calibration.BLEND_WEIGHTS
-            linear = LogisticModel.fit(probe.train_cells_, y[keep], len(self.classes_)).predict_proba(held_cells)
-        return calibration.fit_temperature_and_blend(lambda t: probe._combine(logp, t), linear, y[held], weights)
+        return self._fit_temperature(probe._cell_outputs(self.train_cells_.take(held)), held)
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
@@ -571,16 +609,18 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         return (1 - self.blend_weight_) * proba + self.blend_weight_ * self.linear_model_.predict_proba(cells)
 
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
-        """Members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax temperature."""
+        """The first M members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax
+        temperature."""
         z = logp / temperature
         z = z - z.max(-1, keepdims=True)
         log_groups = z - np.log(np.exp(z).sum(-1, keepdims=True))
-        per_class = np.take_along_axis(log_groups, self.class_codes_[:, None, :], axis=2)  # [M, n, K] log p_m
+        codes = self.class_codes_[:len(logp)]
+        per_class = np.take_along_axis(log_groups, codes[:, None, :], axis=2)  # [M, n, K] log p_m
         if len(self.classes_) <= self.n_groups_ and self.average == "probability":
             proba = np.exp(per_class).mean(0)
         else:  # geometric mean; with more classes than groups each group's mass is shared by its classes
             if len(self.classes_) > self.n_groups_:
-                sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in self.class_codes_])
+                sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in codes])
                 per_class = per_class - np.log(sizes)[:, None, :]
             logp_c = per_class.mean(0)
             proba = np.exp(logp_c - logp_c.max(1, keepdims=True))

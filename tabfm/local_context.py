@@ -9,7 +9,9 @@ an anchor's context is its home rows and then the next nearest rows, `rows` in a
 hold each train row. Those contexts are encoded once at fit like any other; a test row is predicted, per member,
 from the context that is home to most of its ROUTE_NEIGHBOURS nearest train rows.
 Members draw different anchors, so a row near the edge of one member's context is inside another's, and the
-ensemble's average smooths the edges.
+ensemble's average smooths the edges. The classifier's calibration may ask the first members to leave some train
+rows (`held`) out of every context of theirs: those members then predict the held rows as they would new rows,
+from caches the fit encodes anyway (tabfm.calibration).
 
 Cost: encoding is about OVERLAP x train rows x `rows` per attention over rows instead of train rows squared, and
 a test row reads `rows` keys instead of all train rows: linear in the train rows.
@@ -149,11 +151,15 @@ class LocalContexts:
     @classmethod
     def fit(cls, cells: Cells, targets: np.ndarray, n_members: int, rows: int,
             rng: np.random.Generator, relevance: np.ndarray | None = None,
-            device: torch.device | str = "cpu") -> LocalContexts:
+            device: torch.device | str = "cpu", held: np.ndarray | None = None,
+            held_members: int = 0) -> LocalContexts:
         """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
         `rows` of them) and their targets [n, T]; relevance: column_relevance(cells, targets) when the caller has
-        it already (computed here otherwise). The distances and the anchors' k-means run on `device` (the
-        estimator's): a 50,000-row fit on a GPU took no less time in bf16 than in fp32, so it waited on its CPU."""
+        it already (computed here otherwise). The first `held_members` members draw their anchors from, and fill
+        their contexts with, only the rows not in `held` (more than `rows` of them); every row still has a home
+        context in each member, which is what routing reads. The distances and the anchors' k-means run on
+        `device` (the estimator's): a 50,000-row fit on a GPU took no less time in bf16 than in fp32, so it
+        waited on its CPU."""
         raw = _raw_space(cells)
         relevance = column_relevance(cells, targets) if relevance is None else relevance
         relevance = relevance / relevance.max() if relevance.max() > 0 else np.ones_like(relevance)
@@ -172,10 +178,18 @@ class LocalContexts:
         state.points = state.space(cells)
         points = torch.from_numpy(state.points).to(device)
         n = len(points)
+        blocked = torch.zeros(n, dtype=torch.bool, device=points.device)
+        if held is not None and held_members:
+            blocked[torch.from_numpy(np.asarray(held, np.int64)).to(points.device)] = True
+            if n - int(blocked.sum()) <= rows:
+                raise ValueError(f"{n - int(blocked.sum())} rows are left once the held rows are out: local "
+                                 f"contexts of {rows} rows need more")
         all_rows, all_members, homes = [], [], []
         for m in range(n_members):
-            anchors = _anchors(points, rows, rng)
-            member_rows, home = _contexts(points, anchors, rows, offset=sum(len(r) for r in all_rows))
+            leaves_out = m < held_members and bool(blocked.any())
+            anchors = _anchors(points[~blocked] if leaves_out else points, rows, rng)
+            member_rows, home = _contexts(points, anchors, rows, offset=sum(len(r) for r in all_rows),
+                                          blocked=blocked if leaves_out else None)
             all_rows.append(member_rows)
             all_members.append(np.full(len(member_rows), m, np.int64))
             homes.append(home)
@@ -250,11 +264,13 @@ def _kmeans(points: torch.Tensor, count: int, rng: np.random.Generator) -> torch
     return centres
 
 
-def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: int,
+              blocked: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([A, rows] sorted train rows of each anchor's context, [n] home context of each train row + offset).
 
     A row's home is its nearest anchor; an anchor's context is its home rows (the nearest `rows` of them if it has
-    more), then the nearest other rows up to `rows`."""
+    more), then the nearest other rows up to `rows`; rows `blocked` [n] (bool) are in no context, though they
+    have a home."""
     n = len(points)
     _, nearest_anchor = _nearest(points, anchors, 1)
     home = nearest_anchor[:, 0]                                                 # [n]
@@ -267,6 +283,8 @@ def _contexts(points: torch.Tensor, anchors: torch.Tensor, rows: int, offset: in
         d = _squared_distances(a, points, norms)
         own = torch.arange(start, start + len(a), device=points.device)
         d = d + far * (home[None] != own[:, None])                              # home rows first
+        if blocked is not None:
+            d = d.masked_fill(blocked[None], math.inf)
         out.append(torch.topk(d, rows, dim=1, largest=False).indices)
     return np.sort(torch.cat(out).cpu().numpy(), 1).astype(np.int64), home.cpu().numpy().astype(np.int64) + offset
 

@@ -259,6 +259,34 @@ def test_calibration_probe_runs_the_first_members_unless_the_classes_need_all(mo
     assert [t for t, _ in tables] == [clf.n_members_, clf.n_members_]
 
 
+def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeypatch):
+    """With local contexts and at least 2 x CALIBRATION_MEMBERS members, calibration encodes nothing more: the
+    first members' contexts leave the calibration rows out, and those members' predictions of them (and a
+    logistic regression fitted without them) set the temperature and blend weight; with fewer members the probe
+    still runs."""
+    df, y = mixed_frame(300, seed=4)
+    shapes = []
+    real = inference.encode_context
+    monkeypatch.setattr("tabfm.estimator.encode_context",
+                        lambda m, b: shapes.append(tuple(b.values.shape[:2])) or real(m, b))
+    clf = TabFMClassifier(n_estimators=4, local_context_rows=64, dtype="float64", n_jobs=1).fit(df, y)
+    assert clf.local_ is not None and sum(t for t, _ in shapes) == len(clf.context_rows_)  # each context once
+    assert {r for _, r in shapes} == {64}
+    held = calibration.held_out_rows(np.unique(y, return_inverse=True)[1], 2, np.random.default_rng(1))
+    assert calibration.held_members(4) == calibration.CALIBRATION_MEMBERS == 2
+    for m in range(4):
+        holds = np.isin(held, clf.context_rows_[clf.context_members_ == m]).any()
+        assert holds == (m >= 2)
+    held_cells = clf.train_cells_.take(held)
+    logp = clf._cell_outputs(held_cells, members=2)
+    np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
+    assert (clf.temperature_, clf.blend_weight_) == clf._fit_temperature(logp, held)
+    assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
+    shapes.clear()
+    two = TabFMClassifier(n_estimators=2, local_context_rows=64, n_jobs=1).fit(df, y)
+    assert sum(t for t, _ in shapes) > len(two.context_rows_)  # the probe's contexts, then the fit's
+
+
 def test_more_classes_than_the_head():
     rng = np.random.default_rng(0)
     K = 14

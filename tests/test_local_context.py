@@ -41,6 +41,24 @@ def test_each_member_gets_overlapping_contexts_that_hold_every_train_row():
     assert not np.array_equal(local.rows[:per_member], local.rows[per_member:2 * per_member])  # own anchors
 
 
+def test_the_first_members_leave_the_held_rows_out_of_every_context():
+    rng = np.random.default_rng(1)
+    cells = _cells(rng.normal(size=(400, 3)))
+    held = np.sort(rng.choice(400, 80, replace=False))
+    local = LocalContexts.fit(cells, np.ones((400, 1)), n_members=4, rows=64, rng=rng, held=held, held_members=2)
+    for m in range(4):
+        used = np.unique(local.rows[local.members == m])
+        assert np.all(local.members[local.home[m]] == m)  # every row, held or not, has a home to route by
+        if m < 2:
+            assert not np.isin(held, used).any() and len(used) == 320  # every other row is in some context
+            assert (local.members == m).sum() == math.ceil(OVERLAP * 320 / 64)  # anchors over the kept rows
+        else:
+            assert len(used) == 400
+    with pytest.raises(ValueError, match="60 rows are left once the held rows are out: local contexts of 64"):
+        LocalContexts.fit(cells, np.ones((400, 1)), n_members=4, rows=64, rng=rng, held=np.arange(340),
+                          held_members=2)
+
+
 def test_kmeans_puts_one_centre_in_each_separated_blob_and_follows_the_numpy_rng():
     rng = np.random.default_rng(4)
     offsets = np.array([[0, 0], [40, 0], [0, 40], [40, 40]], np.float32)
