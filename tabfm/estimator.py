@@ -479,7 +479,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Divides the members' logits; used when calibrate is False.
     calibrate : bool, default=True
         Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
-        other train rows by the first two members; costs about half of one more encoding of the train rows.
+        other train rows by the first two members. With local contexts and at least 4 members those members'
+        contexts leave the held rows out, at no extra cost; otherwise a probe costs about half of one more
+        encoding of the train rows.
     linear_blend : bool, default=True
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
@@ -580,7 +582,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
         """(softmax temperature, blend weight) from the calibration rows `held` predicted by a probe: the same
         ensemble fitted on the other train rows. Where the first members' local contexts cannot leave the rows
-        out (no local contexts, or too many classes), an honest held-out prediction needs a second encoding:
+        out (no local contexts, too few rows left, fewer than 4 members, or too many classes), an honest held-out prediction needs a second encoding:
         nothing of the full contexts carries over to one, since every stage that reads train rows mixes all of
         them (the cell statistics, the attention down each column, the in-context transformer). It is kept
         cheap: its context holds at most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn
