@@ -211,13 +211,18 @@ def _na(args: argparse.Namespace) -> list[str]:
 
 
 def open_test(args: argparse.Namespace, X):
-    """--test opened for reading in batches (tabfm.table_io.TableScan), checked to hold X's columns."""
+    """--test opened for reading in batches (tabfm.table_io.TableScan), checked to hold X's columns; its other
+    columns (the target aside) are named in a progress line and not read."""
     from tabfm import table_io
 
     test = table_io.TableScan(args.test, _na(args), args.batch_rows, args.separator, args.decimal_comma)
     missing_cols = [c for c in X.columns if c not in test.columns]
     if missing_cols:
         raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
+    unused = [c for c in test.columns if c not in X.columns and c != args.target]
+    if unused:  # e.g. an id column, or a feature the train table lacks: said rather than dropped unseen
+        _say(args, f"{args.test}: ignoring {len(unused)} column(s) the train table's features do not include: "
+                   f"{', '.join(map(repr, unused[:5]))}{', ...' if len(unused) > 5 else ''}")
     return test
 
 

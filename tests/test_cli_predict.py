@@ -80,6 +80,22 @@ def test_integer_classes_keep_their_numeric_order(tables, capsys):
     assert pred["grade"].to_list() == [(1, 2, 10)[i] for i in pred.drop("grade").to_numpy().argmax(1)]
 
 
+def test_test_columns_the_train_table_lacks_are_named_and_change_nothing(tables, capsys):
+    test = pl.read_csv(tables / "test.csv")
+    test.with_columns(pl.Series("row_id", range(test.height)), pl.lit(1.0).alias("extra")).write_csv(
+        tables / "with_id.csv")
+    outputs = []
+    for name in ("test.csv", "with_id.csv", "test.parquet"):  # test.parquet keeps the target column "label"
+        out = tables / f"pred_{name}.csv"
+        assert main(["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test",
+                     str(tables / name), "-o", str(out), "--n-estimators", "1", "--proba"]) == 0
+        outputs.append(out.read_bytes())
+        err = capsys.readouterr().err
+        assert ("ignoring 2 column(s) the train table's features do not include: 'row_id', 'extra'" in err) == \
+            (name == "with_id.csv"), err
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
 def test_predict_regression_is_inferred(tables):
     out = tables / "amount.parquet"
     rc = main(["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
