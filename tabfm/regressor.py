@@ -2,7 +2,10 @@
 
 The targets are normalised in float64, a ridge regression is fitted under the model (tabfm.linear_base: the model
 learns its out-of-fold residuals), the residuals are transformed per member (tabfm.target_transform), and each
-member's binned distribution is mapped back to target units exactly, the ridge's prediction added.
+member's binned distribution is mapped back to target units exactly, the ridge's prediction added. With local
+contexts and 4+ members, the weight of the model's correction over the ridge is fitted on held-out train rows
+(tabfm.calibration.correction_weight): where the residuals are noise, the model's neighbours-driven corrections
+are too, and the weight takes them back towards the ridge.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from sklearn.base import RegressorMixin
 from sklearn.utils.validation import column_or_1d
 
+from tabfm import calibration
 from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _fit_or_keep, _TabFMBase, _threaded
 from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
@@ -37,17 +41,25 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     (tabfm.target_transform); each member's predicted distribution is mapped back to target units exactly.
     `predict` gives the mean of the members' mixture, `predict_quantiles` its quantiles.
 
-    Parameters are those of TabFMClassifier (without average, softmax_temperature, calibrate, linear_blend), and:
+    Parameters are those of TabFMClassifier (without average, softmax_temperature and linear_blend; calibrate
+    has its own meaning here), and:
 
     target_transforms : tuple of {"none", "power", "quantile"}, default=("none", "power")
         Transforms of the (normalised) target, cycled over the members.
     linear_base : bool, default=True
         Fit a ridge regression first and show the model its out-of-fold residuals; predictions add the ridge
         back (tabfm.linear_base). The model alone fits linear trends over many columns poorly.
+    calibrate : bool, default=True
+        Weigh the model's correction over the ridge (over the targets' centre without linear_base) by a w in
+        [0, 1] fitted on held-out train rows (20%, at most 1,000), predicted by the first two members, whose
+        local contexts leave them out at no extra cost: the distribution's location moves to
+        ridge + w x the model's correction, its spread is kept. Only with local contexts and at least 4
+        members; otherwise w = 1.
     """
 
     _task = "regression"
-    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"]}
+    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"],
+                                    "calibrate": ["boolean"]}
 
     def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
@@ -57,7 +69,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  sequence_parallel: bool = True,
                  random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256,
-                 target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True):
+                 target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True,
+                 calibrate: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
@@ -67,6 +80,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                          n_jobs=n_jobs, local_context_rows=local_context_rows)
         self.target_transforms = target_transforms
         self.linear_base = linear_base
+        self.calibrate = calibrate
 
     @_fit_or_keep
     @_threaded
@@ -86,8 +100,32 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                              "distribution no room below float64's limit (1.8e308); divide y by a power of ten first")
         self._target_kinds()
         model = self._prepare()
-        self._fit_common(X, y, self.n_estimators, model)
+        held, held_members = self._held_rows(len(y))
+        self._fit_common(X, y, self.n_estimators, model, held=held, held_members=held_members)
+        self.correction_weight_ = 1.0
+        if held_members:
+            correction = self._cell_outputs(self.train_cells_.take(held), self._mean_of, members=held_members)
+            self.correction_weight_ = calibration.correction_weight(
+                (correction - self.target_scale_.center) / self.target_scale_.scale, self.y_train_[held])
         return self
+
+    def _held_rows(self, n: int) -> tuple[np.ndarray | None, int]:
+        """(held rows, members that leave them out and predict them) for the correction weight; (None, 0)
+        without calibrate, local contexts, enough rows left to fill one, or 4+ members."""
+        if not self.calibrate or self.local_context_rows is None:
+            return None, 0
+        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)  # calibration's own draws
+        held = calibration.held_out_targets(n, rng)
+        members = calibration.held_members(self.n_estimators)
+        if len(held) < 10 or n - len(held) <= self.local_context_rows or not members:
+            return None, 0
+        return held, members
+
+    def _correction(self, mean: np.ndarray) -> np.ndarray:
+        """[n] how far the model's predictive distributions move given their means: -(1 - w) x the model's
+        correction (its mean less the targets' centre); 0 for estimators saved before the weight existed."""
+        w = getattr(self, "correction_weight_", 1.0)
+        return (w - 1.0) * (mean - self.target_scale_.center) if w != 1.0 else np.zeros_like(mean)
 
     def _target_kinds(self) -> tuple[str, ...]:
         from tabfm.target_transform import TARGET_TRANSFORMS
@@ -150,24 +188,25 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
 
     def _mean_of(self, probs: np.ndarray, units: np.ndarray) -> np.ndarray:
         """The ensemble's mean [n] from the members' bin probabilities [M, n, nb] and their rows' contexts [M, n]."""
-        M = self.n_members_  # divided before the sum, as in mapped_mean: no overflow for targets near 1e308
+        M = len(probs)  # divided before the sum, as in mapped_mean: no overflow for targets near 1e308
         return np.sum([mapped_mean(probs[m], self.bin_points_y_[units[m]]) / M for m in range(M)], axis=0)
 
     @_threaded
     def predict(self, X: Any) -> np.ndarray:
         """[n] predicted targets: the mean of the ensemble's predictive distribution."""
         cells = self._cells_of(X)
-        return self._cell_outputs(cells, self._mean_of) + self._offset(cells)
+        mean = self._cell_outputs(cells, self._mean_of)
+        return mean + self._correction(mean) + self._offset(cells)
 
     @_threaded
     def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
         """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
-        members'), in target units."""
+        members', moved by the correction weight as predict's mean is), in target units."""
         q = np.atleast_1d(np.asarray(quantiles, np.float64))
         if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
             raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         cells = self._cells_of(X)
-        out = self._cell_outputs(cells, lambda probs, units: mixture_quantiles(
-            list(probs), [self.bin_edges_y_[u] for u in units], q))
-        return out + self._offset(cells)[:, None]
+        out = self._cell_outputs(cells, lambda probs, units: np.column_stack([mixture_quantiles(
+            list(probs), [self.bin_edges_y_[u] for u in units], q), self._mean_of(probs, units)]))
+        return out[:, :-1] + (self._correction(out[:, -1]) + self._offset(cells))[:, None]

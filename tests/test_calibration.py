@@ -1,11 +1,12 @@
-"""The classifier's calibration (tabfm.calibration): which rows it holds out, and the temperature and blend weight
-it picks from their predictions."""
+"""Calibration (tabfm.calibration): which rows the estimators hold out, the classifier's temperature and blend
+weight, and the regressor's correction weight, picked from the held rows' predictions."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tabfm.calibration import CALIBRATION_ROWS, TEMPERATURES, fit_temperature_and_blend, held_out_rows
+from tabfm.calibration import (CALIBRATION_ROWS, TEMPERATURES, correction_weight, fit_temperature_and_blend,
+                               held_out_rows, held_out_targets)
 
 
 def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
@@ -42,3 +43,28 @@ def test_the_blend_goes_to_the_better_model_and_ties_to_the_lowest_values():
     coin = np.full((100, 2), 0.5)                                      # the ensemble knows nothing, at any t
     t, w = fit_temperature_and_blend(lambda t: coin, good, y, np.linspace(0.0, 0.9, 10))
     assert w == 0.9 and t == TEMPERATURES[0]                           # every t ties: the lowest
+
+
+def test_the_regressor_holds_out_a_random_fifth_capped_at_calibration_rows():
+    held = held_out_targets(500, np.random.default_rng(0))
+    assert len(held) == 100 and np.all(np.diff(held) > 0) and held[-1] < 500
+    assert not np.array_equal(held, np.arange(100))                    # drawn, not the first rows
+    assert len(held_out_targets(20_000, np.random.default_rng(0))) == CALIBRATION_ROWS
+
+
+def test_the_correction_weight_is_least_squares_clipped_to_0_1_and_pulled_to_1_by_its_error():
+    rng = np.random.default_rng(2)
+    c = rng.normal(size=4000)
+    assert abs(correction_weight(c, 0.3 * c + 0.2 * rng.normal(size=4000)) - 0.3) < 0.01  # se tiny: no pull
+    c40, r40 = c[:40], 0.3 * c[:40] + rng.normal(size=40)               # se about 0.16: pulled towards 1
+    w_ls = float(np.dot(c40, r40) / np.dot(c40, c40))
+    se2 = float(np.mean((r40 - w_ls * c40) ** 2) / np.dot(c40, c40))
+    assert 0 < w_ls < 1 and 0 < se2 < (1 - w_ls) ** 2
+    assert np.isclose(correction_weight(c40, r40), 1 - (1 - w_ls) * (1 - se2 / (1 - w_ls) ** 2))
+    noise = rng.normal(size=40)
+    noise -= np.dot(noise, c40) / np.dot(c40, c40) * c40                   # w_ls = 0.9 exactly, se^2 > 0.1^2
+    assert correction_weight(c40, 0.9 * c40 + noise) == 1.0                  # within its error of 1: not moved
+    noise = rng.normal(size=4000)                                       # corrections that predict nothing
+    assert correction_weight(c, noise) < 0.05
+    assert correction_weight(c, -c) < 1e-3 and correction_weight(c, 2 * c) == 1.0
+    assert correction_weight(np.zeros(5), rng.normal(size=5)) == 1.0    # no correction to weigh

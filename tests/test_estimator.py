@@ -287,6 +287,41 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     assert sum(t for t, _ in shapes) > len(two.context_rows_)  # the probe's contexts, then the fit's
 
 
+def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw(tmp_path):
+    """On targets that are noise, the model's corrections over the ridge are noise too: the weight fitted on the
+    held rows (predicted by the first two members, whose local contexts leave them out) takes them back, and the
+    test R^2 rises towards the ridge's (about 0). Quantiles move with the mean; calibrate=False keeps w = 1."""
+    rng = np.random.default_rng(5)
+    X, y = rng.normal(size=(900, 4)), rng.normal(size=900)
+    kwargs = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
+    reg = TabFMRegressor(**kwargs).fit(X[:600], y[:600])
+    held, members = reg._held_rows(600)
+    assert members == 2 and len(held) == 120
+    for m in range(4):
+        assert np.isin(held, reg.context_rows_[reg.context_members_ == m]).any() == (m >= 2)
+    assert 0 <= reg.correction_weight_ < 0.3
+    plain = TabFMRegressor(calibrate=False, **kwargs).fit(X[:600], y[:600])
+    assert plain.correction_weight_ == 1.0
+    error = {name: np.mean((est.predict(X[600:]) - y[600:]) ** 2) for name, est in (("w", reg), ("1", plain))}
+    assert error["w"] < 0.9 * error["1"], error
+
+    mean, quantiles = reg.predict(X[600:]), reg.predict_quantiles(X[600:], [0.1, 0.5, 0.9])
+    reg.save(tmp_path / "reg")
+    loaded = TabFMRegressor.load(tmp_path / "reg")
+    assert loaded.correction_weight_ == reg.correction_weight_
+    np.testing.assert_array_equal(loaded.predict(X[600:]), mean)
+    reg.correction_weight_ = 1.0
+    moved = mean - reg.predict(X[600:])
+    np.testing.assert_allclose(quantiles - reg.predict_quantiles(X[600:], [0.1, 0.5, 0.9]),
+                               np.repeat(moved[:, None], 3, 1), rtol=0, atol=1e-9)
+    unweighted = reg.predict(X[600:])
+    del reg.correction_weight_  # saved before the weight existed: w = 1
+    np.testing.assert_array_equal(reg.predict(X[600:]), unweighted)
+
+    signal = np.sin(2 * X[:, 0]) * 3
+    assert TabFMRegressor(**kwargs).fit(X[:600], signal[:600]).correction_weight_ > 0.8
+
+
 def test_more_classes_than_the_head():
     rng = np.random.default_rng(0)
     K = 14
