@@ -255,9 +255,10 @@ def run_prediction(args: argparse.Namespace) -> int:
     if output is not None:
         _say(args, f"wrote {out.rows} {'probability rows' if args.proba else 'predictions'} ({task}) to {output}")
     if empty[0]:
-        _say(args, f"{args.test}: {empty[0]} of {test.n_rows} rows have every cell empty (blank lines?); each got a "
-             "prediction as a row with every feature missing, in its place. pandas' read_csv skips blank lines, so "
-             "its rows would not line up with these: remove the blank lines if they are not rows", warning=True)
+        _say(args, f"{args.test}: {empty[0]} of {test.n_rows} rows have every cell missing (blank lines, or only "
+             "missing-value tokens); each got a prediction as a row with every feature missing, in its place. If "
+             "some are blank lines and not rows, remove them: pandas' read_csv skips blank lines, so its rows would "
+             "not line up with these", warning=True)
     return 0
 
 

@@ -131,7 +131,26 @@ def _checked_file(path: str | Path) -> tuple[Path, bytes]:
     if not head.strip():
         raise TableError(f"{path}: the file is empty; it needs a header line and at least one row")
     _check_magic(p, head)
+    if READ_FORMATS[p.suffix.lower()] is not None:
+        _check_text_encoding(p, head)
     return p, head
+
+
+def _check_text_encoding(p: Path, head: bytes) -> None:
+    """A UTF-16/32 file (a byte-order mark, or NUL bytes: Excel's "Unicode text") and a header line that is not
+    UTF-8 are refused: polars decodes a header leniently, so the columns would get names such as 'caf\ufffd'
+    (the rows' bad bytes are caught when they are read)."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head:
+        raise TableError(f"{p}: UTF-16 or UTF-32 text (it has a byte-order mark or NUL bytes); save it as UTF-8 "
+                         "(e.g. `iconv -f utf-16 -t utf-8`, or Excel's \"CSV UTF-8\")")
+    with p.open("rb") as f:
+        header = f.readline(1 << 20)
+    try:
+        header.decode("utf-8")
+    except UnicodeDecodeError as e:
+        cut = len(header) == 1 << 20 and e.start >= len(header) - 3  # a character cut by the 1 MiB limit
+        if not cut:
+            raise TableError(_not_utf8(p)) from None
 
 
 def _check_magic(p: Path, head: bytes) -> None:
@@ -497,6 +516,9 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+STDOUT_SPOOL_BYTES = 64 << 20
+"""Text for stdout kept in memory up to this size, then in a temporary file, until the output is complete."""
+
 PARQUET_ROW_GROUP_ROWS = 65_536
 """Rows per Parquet row group written by TableWriter, whatever the batches written: the file's bytes do not
 depend on how the rows arrived."""
@@ -515,7 +537,9 @@ class TableWriter:
     """Writes a table batch by batch (`with TableWriter(path) as out: out.write(batch)`), memory bounded by a
     batch: CSV to stdout (path None), or by extension to .csv, .tsv or .parquet through a temporary file in the
     same folder, renamed into place when the `with` block ends without an error and removed when it fails, so a
-    failure leaves nothing half-written. `float_digits` rounds float columns to that many significant digits in
+    failure leaves nothing half-written. Stdout gets the same guarantee: the text is spooled (in memory up to
+    STDOUT_SPOOL_BYTES, then in a temporary file) and copied out only when the block succeeds, since what a pipe
+    or a redirected file has received cannot be taken back. `float_digits` rounds float columns to that many significant digits in
     text output (Parquet keeps them whole). The bytes written do not depend on how the rows are split into batches.
     """
 
@@ -532,7 +556,9 @@ class TableWriter:
         self._header = False  # text: the header line is written
 
     def __enter__(self) -> TableWriter:
-        if self.path is not None:
+        if self.path is None:
+            self._file = tempfile.SpooledTemporaryFile(max_size=STDOUT_SPOOL_BYTES, mode="w+b")
+        else:
             fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
             self._file = os.fdopen(fd, "wb")
         return self
@@ -549,10 +575,7 @@ class TableWriter:
                     df = df.with_columns(pl.col(pl.Float32, pl.Float64).round_sig_figs(self.float_digits))
                 text = df.write_csv(separator="\t" if self._suffix == ".tsv" else ",", include_header=not self._header)
                 self._header = True
-                if self._file is None:
-                    _write_stdout(text)
-                else:
-                    self._file.write(text.encode())
+                self._file.write(text.encode())
         except (OSError, ValueError, pl.exceptions.PolarsError) as e:
             raise TableError(f"{self.path}: cannot write it ({_first_line(e)})") from None
         self.rows += df.height
@@ -594,11 +617,22 @@ class TableWriter:
             if self._parquet is not None:
                 self._parquet.close()
         self._file.close()
-        Path(self._tmp).unlink(missing_ok=True)
+        if self._tmp is not None:
+            Path(self._tmp).unlink(missing_ok=True)
 
     def _finish(self) -> None:
-        """Write what is buffered, close and rename into place."""
+        """Write what is buffered, close and rename into place (stdout: copy the spooled text out)."""
+        import codecs
+
         import pyarrow as pa
+
+        if self.path is None:
+            self._file.seek(0)
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            while chunk := self._file.read(1 << 20):
+                _write_stdout(decoder.decode(chunk))
+            self._file.close()
+            return
 
         if self._parquet is not None:
             if self._pending:

@@ -395,6 +395,9 @@ def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tabfm predict: error: ") and message.format(test=tables / "test.csv") in err, err
     assert _snapshot(tables) == before  # the earlier output untouched, no temporary file left
+    assert main(argv[:-3]) == 2  # to stdout: the first batches' predictions are not printed either
+    captured = capsys.readouterr()
+    assert captured.out == "" and message.format(test=tables / "test.csv") in captured.err
 
 
 def test_a_date_column_reads_alike_from_csv_and_parquet(tmp_path, capsys):
@@ -516,7 +519,8 @@ def test_blank_lines_in_the_test_file_are_predicted_in_place_and_said(tmp_path, 
     argv = ["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
             "--n-estimators", "1", "--quiet", "-o", str(tmp_path / "p.csv")]
     assert main(argv) == 0
-    assert "te.csv: 3 of 6 rows have every cell empty (blank lines?)" in capsys.readouterr().err
+    assert "te.csv: 3 of 6 rows have every cell missing (blank lines, or only missing-value tokens)" in \
+        capsys.readouterr().err
     assert pl.read_csv(tmp_path / "p.csv").height == 6
     (tmp_path / "te.csv").write_text("a,b\n1.0,u\n-1.0,v\n")
     assert main([*argv, "--overwrite"]) == 0 and "blank lines" not in capsys.readouterr().err

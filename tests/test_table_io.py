@@ -112,6 +112,10 @@ UNREADABLE = [
     ("ragged.csv", b"a,b\n1,2\n3,4,5\n", "line 3 has 3 fields but the header has 2"),
     ("ragged.tsv", b"a\tb\n1\t2\n\"x\ny\"\t2\n3\t4\t5\n", "line 5 has 3 fields but the header has 2"),
     ("latin1.csv", "a,b\n1,2\n3,café\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 on line 3)"),
+    ("latin1_header.csv", "a,café\n1,2\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 on line 1)"),
+    ("utf16.csv", "a,b,y\n1,2,p\n".encode("utf-16"), "UTF-16 or UTF-32 text (it has a byte-order mark or NUL "
+     "bytes); save it as UTF-8"),
+    ("utf16_no_bom.tsv", "a\tb\n1\t2\n".encode("utf-16-le"), "UTF-16 or UTF-32 text"),
     ("csv.parquet", b"a,b\n1,2\n", "not a Parquet file (it starts with 'a,b'); if it is CSV text, name it .csv"),
     ("cut.parquet", PARQUET, "cannot read it as Parquet"),
     ("parquet.csv", PARQUET, "this is a Parquet file, not .csv text; name it .parquet"),
