@@ -181,12 +181,31 @@ def load_train(args: argparse.Namespace):
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
     task, why = _task(args, y)
+    if task == "classification":
+        y = _labels_as_written(args, y, labelled if unlabelled else None)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
     if args.proba and args.target in {f"proba_{c}" for c in y.cast(str).unique().to_list()}:
         raise ValueError(f"--proba writes a proba_CLASS column per class, and the target {args.target!r} is also one "
                          "of them: rename the target column")
     return X, y, task, why
+
+
+def _labels_as_written(args: argparse.Namespace, y, labelled):
+    """A classifier's target y as the train file spells it, where reading it as numbers or booleans changed the
+    spelling: '01' read as 1 (written back as 1), '007' and '7' read as one class, TRUE as true. y as it is
+    otherwise (integer labels stay integers, in their numeric order). labelled: the rows kept, or None for all."""
+    import polars as pl
+
+    from tabfm import table_io
+
+    if y.dtype == pl.String:
+        return y
+    raw = table_io.raw_text_column(args.train, args.target, _na(args), args.separator)
+    if raw is None:
+        return y
+    raw = raw if labelled is None else raw.filter(labelled)
+    return raw if (raw != y.cast(pl.String)).any() else y
 
 
 def _task(args: argparse.Namespace, y) -> tuple[str, str]:

@@ -357,6 +357,26 @@ def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
     return pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(s.name)).to_series()
 
 
+def raw_text_column(path: str | Path, name: str, na_values: Sequence[str] = NA_VALUES,
+                    separator: str | None = None) -> pl.Series | None:
+    """Column `name` of a text table file as the text its cells hold (stripped; the NA tokens and empty cells
+    missing), before any reading as numbers or booleans: what a classifier's labels must be written as when
+    '01' would otherwise read as 1, or '007' and '7' as one class. None for a Parquet file, whose columns are
+    typed by whoever wrote it."""
+    import polars as pl
+
+    p = Path(path)
+    separator = _separator(p, separator)
+    if separator is None:
+        return None
+    try:
+        column = pl.read_csv(p, separator=separator, columns=[name], infer_schema=False,
+                             null_values=list(na_values)).get_column(name)
+    except (pl.exceptions.PolarsError, OSError) as e:
+        raise _read_error(p, separator, e) from None
+    return _text_cells(column, na_values)
+
+
 def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:
     """Text columns where most cells are numbers: (column, numbers, non-missing cells, up to 3 of the other values).
 

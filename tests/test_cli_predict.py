@@ -96,6 +96,27 @@ def test_test_columns_the_train_table_lacks_are_named_and_change_nothing(tables,
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+@pytest.mark.parametrize("labels, classes", [
+    (["01", "02"], ["01", "02"]),                    # read as 1 and 2, they were written back as 1 and 2
+    (["007", "7", "07"], ["007", "07", "7"]),        # read as one class 7
+    (["TRUE", "FALSE"], ["FALSE", "TRUE"]),          # read as booleans, written back as true / false
+    (["1", "10", "2"], ["1", "2", "10"]),            # spelled as read: integers, in their numeric order
+])
+def test_class_labels_are_written_as_the_train_file_spells_them(tmp_path, capsys, labels, classes):
+    rng = np.random.default_rng(0)
+    k = rng.integers(len(labels), size=60)
+    x = k + rng.normal(scale=0.1, size=60)
+    rows = [f"{x[i]:.3f},{labels[k[i]]}" for i in range(60)]
+    (tmp_path / "tr.csv").write_text("a,y\n" + "\n".join(rows + ["0.5,"]) + "\n")  # a row with no label
+    (tmp_path / "te.csv").write_text("a\n" + "\n".join(f"{v:.3f}" for v in x[:20]) + "\n")
+    assert main(["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+                 "--n-estimators", "1", "--quiet", "--proba", "-o", str(tmp_path / "p.csv")]) == 0
+    text = (tmp_path / "p.csv").read_text().splitlines()
+    assert text[0] == "y," + ",".join(f"proba_{c}" for c in classes)
+    predicted = [line.split(",")[0] for line in text[1:]]
+    assert predicted == [labels[i] for i in k[:20]]  # separable: every label right, and spelled as written
+
+
 def test_predict_regression_is_inferred(tables):
     out = tables / "amount.parquet"
     rc = main(["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
