@@ -147,6 +147,8 @@ def load_train(args: argparse.Namespace):
     """(X, y, task, why) from --train: rows without a target dropped (with a warning), a warning for each text
     column that is mostly numbers; `why` is the line saying how --task auto chose ("" for a given --task). Raises
     ValueError on bad input."""
+    import polars as pl
+
     from tabfm import table_io
 
     train = read_table(args.train, _na(args), args.separator, args.decimal_comma)
@@ -180,11 +182,19 @@ def load_train(args: argparse.Namespace):
     X = train.drop(args.target)
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
+    named = [c for c in args.categorical.split(",") if c]
+    if args.target in named:
+        raise ValueError(f"--categorical names the target {args.target!r}; it lists feature columns only (a "
+                         "classification target is read as classes anyway: --task classification)")
     task, why = _task(args, y)
     if task == "classification":
         y = _labels_as_written(args, y, labelled if unlabelled else None)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
+    if task == "regression" and not (y.dtype.is_numeric() or y.dtype == pl.Boolean):
+        example = y.drop_nulls()[0]
+        raise ValueError(f"{args.train}: the target {args.target!r} holds text (e.g. {example!r}), and a regression "
+                         "needs numbers: use --task classification, or fix the column")
     if args.proba and args.target in {f"proba_{c}" for c in y.cast(str).unique().to_list()}:
         raise ValueError(f"--proba writes a proba_CLASS column per class, and the target {args.target!r} is also one "
                          "of them: rename the target column")

@@ -95,7 +95,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type != "cpu":
         backend = torch.backends.mps if dev.type == "mps" else getattr(torch, dev.type)
         if not backend.is_available():
-            raise ValueError(f"device={device!r} but this machine has no {dev.type} device; use device='cpu' or 'auto'")
+            raise ValueError(f"device={device!r} but this machine has no {dev.type} device; use device='cpu' or "
+                             "'auto' (tabfm predict: --device cpu or auto)")
         count = getattr(backend, "device_count", lambda: 1)()
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"device={device!r} but this machine has {count} {dev.type} device(s), numbered from 0")

@@ -197,6 +197,9 @@ def test_infer_task_counts_distinct_values_whole_or_not(values, task):
     (["--target", "label", "--test", "missing.csv"], "no such file"),
     (["--target", "label", "--local-context-rows", "1"], "--local-context-rows must be 0 (one context) or at least 2"),
     (["--target", "proba_b", "--proba", "--train", "clash.csv"], "the target 'proba_b' is also one of them"),
+    (["--target", "label", "--task", "regression"], "the target 'label' holds text (e.g. 'yes'), and a regression "
+     "needs numbers: use --task classification"),
+    (["--target", "label", "--categorical", "c,label"], "--categorical names the target 'label'"),
 ])
 def test_predict_errors(tables, capsys, args, message):
     base = {"--train": str(tables / "train.csv"), "--test": str(tables / "test.csv")}

@@ -91,7 +91,8 @@ def test_resolve_device_accepts_cpu_and_auto():
     assert resolve_device("cpu") == resolve_device(torch.device("cpu")) == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no cuda device; use device='cpu' or 'auto'"):
+        with pytest.raises(ValueError, match=r"no cuda device; use device='cpu' or 'auto' \(tabfm predict: "
+                                             r"--device cpu or auto\)"):
             resolve_device("cuda")
 
 
