@@ -204,13 +204,15 @@ def test_saved_estimator_with_local_contexts_predicts_the_same(tmp_path):
 
 def _sharded_local(tp: tuple[int, int] | None, sp: bool) -> tuple[np.ndarray, np.ndarray]:
     """Local contexts' classifier probabilities and regressor predictions with tensor_parallel=tp (None: one
-    process)."""
+    process); 4 members, so both calibrate from the first two members' held rows (tabfm.calibration)."""
     df, y, target = _table(150, seed=2)
-    kwargs = dict(n_estimators=2, dtype="float64", batch_size=16, local_context_rows=40, tensor_parallel=tp,
+    kwargs = dict(n_estimators=4, dtype="float64", batch_size=16, local_context_rows=40, tensor_parallel=tp,
                   sequence_parallel=sp)
     clf = TabFMClassifier(**kwargs).fit(df[:110], y[:110])
     reg = TabFMRegressor(**kwargs).fit(df[:110], target[:110])
-    return clf.predict_proba(df[110:]), reg.predict(df[110:])
+    assert reg._held_rows(110)[1] == 2 and clf._held_members(4, 88) == 2
+    return np.append(clf.predict_proba(df[110:]), clf.temperature_), np.append(reg.predict(df[110:]),
+                                                                                reg.correction_weight_)
 
 
 @pytest.mark.parametrize("world,d0,d1,sp", [(2, 2, 1, True), (4, 2, 2, False)])
