@@ -167,6 +167,7 @@ def load_train(args: argparse.Namespace):
              f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)
     if args.target not in train.columns:
         raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
+    table_io.check_finite(train, str(args.train))  # before rows are left out: its row numbers are the file's
     target = train.get_column(args.target)
     labelled = target.is_not_null()
     if target.dtype.is_float():  # a Parquet file's NaN is a missing target too, as a CSV's "NaN" cell is null

@@ -479,7 +479,20 @@ def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequ
             s = pl.select(pl.when(low == "true").then(pl.lit("True")).when(low == "false").then(pl.lit("False"))
                           .otherwise(s).alias(name)).to_series()
         out.append(s)
-    return pl.DataFrame(out)
+    frame = pl.DataFrame(out)
+    check_finite(frame, where, offset)
+    return frame
+
+
+def check_finite(df: pl.DataFrame, where: str = "table", offset: int = 0) -> None:
+    """A TableError naming the first infinite cell of `df`'s float columns and its row (counted from `offset`):
+    'inf' and 1e400 read as floats, and the estimators take no infinity (NaN, a missing cell, is fine)."""
+    for s in df.iter_columns():
+        if s.dtype.is_float():
+            bad = s.is_infinite().fill_null(False).arg_true()
+            if len(bad):
+                raise TableError(f"{where}: column {s.name!r} holds {s[bad[0]]} (row {offset + bad[0] + 1}); the "
+                                 "model takes finite numbers: replace it, or leave the cell empty (missing)")
 
 
 def _temporal_words(dtype: pl.DataType) -> str:

@@ -117,6 +117,20 @@ def test_class_labels_are_written_as_the_train_file_spells_them(tmp_path, capsys
     assert predicted == [labels[i] for i in k[:20]]  # separable: every label right, and spelled as written
 
 
+@pytest.mark.parametrize("table, cell", [("train", "-inf"), ("test", "1e400"), ("test", "inf")])
+def test_an_infinite_cell_is_named_with_its_file_and_row(tmp_path, capsys, table, cell):
+    rows = {"train": ["a,y"] + [f"{i % 5},{'xy'[i % 2]}" for i in range(30)], "test": ["a"] + ["1"] * 30}
+    rows[table][12] = f"{cell},x" if table == "train" else cell                  # data row 12
+    for name, lines in rows.items():
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "p.csv"
+    assert main(["predict", "--train", str(tmp_path / "train.csv"), "--target", "y", "--test",
+                 str(tmp_path / "test.csv"), "--n-estimators", "1", "--batch-rows", "7", "-o", str(out)]) == 2
+    assert f"{tmp_path / table}.csv: column 'a' holds {'-inf' if cell == '-inf' else 'inf'} (row 12); the model " \
+        "takes finite numbers" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_predict_regression_is_inferred(tables):
     out = tables / "amount.parquet"
     rc = main(["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
