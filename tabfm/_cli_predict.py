@@ -183,8 +183,7 @@ def load_train(args: argparse.Namespace):
     X = train.drop(args.target)
     if not X.columns:
         raise ValueError(f"{args.train} has no feature columns besides the target {args.target!r}")
-    named = [c for c in args.categorical.split(",") if c]
-    if args.target in named:
+    if args.target in _categorical_columns(args):
         raise ValueError(f"--categorical names the target {args.target!r}; it lists feature columns only (a "
                          "classification target is read as classes anyway: --task classification)")
     task, why = _task(args, y)
@@ -217,6 +216,11 @@ def _labels_as_written(args: argparse.Namespace, y, labelled):
         return y
     raw = raw if labelled is None else raw.filter(labelled)
     return raw if (raw != y.cast(pl.String)).any() else y
+
+
+def _categorical_columns(args: argparse.Namespace) -> list[str]:
+    """The columns --categorical names (comma-separated; empty: none)."""
+    return [c for c in args.categorical.split(",") if c]
 
 
 def _task(args: argparse.Namespace, y) -> tuple[str, str]:
@@ -356,7 +360,7 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   checkpoint=args.checkpoint, batch_size=args.batch_size,
                   device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
-                  categorical_features=[c for c in args.categorical.split(",") if c] or "auto")
+                  categorical_features=_categorical_columns(args) or "auto")
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text
     y_values = y.to_numpy() if task == "regression" or y.dtype.is_numeric() else y.cast(pl.String).to_numpy()

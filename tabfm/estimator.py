@@ -173,6 +173,18 @@ class _TabFMBase(BaseEstimator):
         if encode:
             self._encode_contexts()
 
+    def _calibration_rng(self) -> np.random.Generator:
+        """Calibration's own draws (its held rows, its probe's contexts), apart from the ensemble's."""
+        return np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)
+
+    def _held_members(self, n_members: int, kept: int) -> int:
+        """How many first members leave the calibration rows out of their local contexts and predict them
+        (calibration.held_members), with `kept` train rows left; 0 without local contexts or with too few rows
+        left to fill one."""
+        if self.local_context_rows is None or kept <= self.local_context_rows:
+            return 0
+        return calibration.held_members(n_members)
+
     def _relevance_targets(self, y: np.ndarray) -> np.ndarray:
         """[n, T] the context targets y_train_ as tabfm.local_context.column_relevance reads them: one-hot class
         ids (the classifier), or the regressor's targets as one column."""
@@ -534,7 +546,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
         self.n_groups_ = min(K, max_classes)
         y_ids = y_ids.astype(np.int64)
-        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)  # calibration's own draws
+        rng = self._calibration_rng()
         held = self._calibration_rows(y_ids, rng) if self.calibrate else np.empty(0, np.int64)
         held_members = self._held_members(n_members, len(y_ids) - len(held))
         if len(held) and held_members:
@@ -557,14 +569,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         return held if len(held) >= 10 else np.empty(0, np.int64)
 
     def _held_members(self, n_members: int, kept: int) -> int:
-        """How many first members leave the calibration rows out of their local contexts and predict them
-        (calibration.held_members), with `kept` train rows left; 0 (calibrate through a probe) without local
-        contexts, with too few rows left to fill one, or with more classes than the model's head (every member
-        is then needed to decode them)."""
-        if (self.local_context_rows is None or kept <= self.local_context_rows
-                or len(self.classes_) > self.n_groups_):
-            return 0
-        return calibration.held_members(n_members)
+        """As the base's (0: calibrate through a probe), and 0 with more classes than the model's head: every
+        member is then needed to decode them."""
+        return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
     def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float]:
         """(softmax temperature, blend weight) that minimise the log-loss of the train rows `held`, given the

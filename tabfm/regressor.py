@@ -111,13 +111,13 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
 
     def _held_rows(self, n: int) -> tuple[np.ndarray | None, int]:
         """(held rows, members that leave them out and predict them) for the correction weight; (None, 0)
-        without calibrate, local contexts, enough rows left to fill one, or 4+ members."""
-        if not self.calibrate or self.local_context_rows is None:
+        without calibrate, with fewer than 10 rows to hold, or where no members can hold them
+        (_TabFMBase._held_members: local contexts with rows to spare, 4+ members)."""
+        if not self.calibrate:
             return None, 0
-        rng = np.random.default_rng(None if self.seed_ is None else self.seed_ + 1)  # calibration's own draws
-        held = calibration.held_out_targets(n, rng)
-        members = calibration.held_members(self.n_estimators)
-        if len(held) < 10 or n - len(held) <= self.local_context_rows or not members:
+        held = calibration.held_out_targets(n, self._calibration_rng())
+        members = self._held_members(self.n_estimators, n - len(held))
+        if len(held) < 10 or not members:
             return None, 0
         return held, members
 
