@@ -61,6 +61,7 @@ from sklearn.datasets import make_classification, make_regression
 
 import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
+from tabfm.ensemble import auto_members
 from tabfm.estimator import TabFMClassifier
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script, or loaded by a test from its path
@@ -171,8 +172,8 @@ def time_full_forward(est: TabFMClassifier, X_test: np.ndarray, repeats: int) ->
 
 
 def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
-    default = TabFMClassifier().n_estimators
     data = make_data(1000, 1000)
+    default = auto_members(len(data[0]))  # what n_estimators="auto" (the default) gives these train rows
     log(f"speed: 1,000 train x 1,000 test rows x {FEATURES} numeric features, batch_size "
         f"{TabFMClassifier().batch_size}; best of {repeats} after a warm-up (default n_estimators = {default})")
     log(f"{'n_est':>5} {'cal':>3} {'context':>7} {'fit s':>7} {'predict s':>9} {'total s':>8} {'acc':>6} | "

@@ -32,6 +32,13 @@ from tabfm.preprocess import NUMERIC_TRANSFORMS, Cells, TablePreprocessor
 CATEGORICAL_VIEWS = ("embed", "ordinal", "onehot")
 ONEHOT_MAX_CATEGORIES = 10
 """Most categories a column may have to be shown one-hot; wider columns keep the category embedding."""
+MIN_AUTO_MEMBERS = 4
+"""Members n_estimators="auto" gives a table of AUTO_MEMBER_ROWS / 4 train rows or more."""
+MAX_AUTO_MEMBERS = 16
+"""Most members n_estimators="auto" gives a small table (beyond this the average hardly moves)."""
+AUTO_MEMBER_ROWS = 4096
+"""n_estimators="auto": members x train rows stays within this, so a small table's members cost about what 4 cost
+on 1,024 train rows."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,13 @@ def _column_subsets(n_members: int, n_columns: int, size: int, rng: np.random.Ge
                 chosen.append(c)
         out.append(np.asarray(chosen, np.int64))
     return out
+
+
+def auto_members(n_train: int) -> int:
+    """The members n_estimators="auto" gives a table of n_train train rows: 4, and on small tables as many more
+    (up to 16) as fit in the encoding a 1,024-row table's 4 members cost, since there a member is cheap and the
+    average of more members is better (less spread from the draws of views, orders and subsets)."""
+    return max(MIN_AUTO_MEMBERS, min(MAX_AUTO_MEMBERS, AUTO_MEMBER_ROWS // max(n_train, 1)))
 
 
 def members_see_every_column(n_members: int, n_columns: int, max_features: int | None) -> bool:

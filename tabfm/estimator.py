@@ -41,8 +41,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import (Member, class_codes, draw_members, member_cells,  # noqa: F401 (class_codes re-exported)
-                            member_width, members_see_every_column)
+from tabfm.ensemble import (Member, auto_members, class_codes, draw_members,  # noqa: F401 (class_codes re-exported)
+                            member_cells, member_width, members_see_every_column)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
@@ -95,7 +95,7 @@ class _TabFMBase(BaseEstimator):
     _task: str = ""
     _parameter_constraints: dict = _BASE_CONSTRAINTS
 
-    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+    def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
@@ -160,9 +160,9 @@ class _TabFMBase(BaseEstimator):
             raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
                              f"member {shown}, but the model takes at most {limit}: set max_features to at most "
                              f"{limit} (members then see subsets; the default is 24)")
+        self.n_members_ = n_members
         y = self._context_targets(cells, y)
         rng = np.random.default_rng(self.seed_)
-        self.n_members_ = n_members
         relevance = (None if members_see_every_column(n_members, C, self.max_features)
                      else column_relevance(cells, self._relevance_targets(y)))
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
@@ -172,6 +172,10 @@ class _TabFMBase(BaseEstimator):
         self.contexts_ = None
         if encode:
             self._encode_contexts()
+
+    def _members_for(self, n_train: int) -> int:
+        """The members of a fit on n_train rows: n_estimators, or with "auto" tabfm.ensemble.auto_members."""
+        return auto_members(n_train) if self.n_estimators == "auto" else int(self.n_estimators)
 
     def _calibration_rng(self) -> np.random.Generator:
         """Calibration's own draws (its held rows, its probe's contexts), apart from the ensemble's."""
@@ -436,9 +440,12 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
     Parameters
     ----------
-    n_estimators : int, default=4
+    n_estimators : int or "auto", default="auto"
         Ensemble members; each encodes the train rows once at fit and runs every test row at predict, so the
-        cost is linear in members.
+        cost is linear in members. "auto": 4, and more on small tables, as many as 4,096 / train rows (at most
+        16: 16 up to 256 train rows, 8 at 512), so their fit costs about what 4 members cost on 1,024 train rows;
+        the fitted count is `n_members_`. Predicting many rows from a small table costs more per row than from a
+        large one then; set 4 to keep it lower.
     numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
         Transforms of the numeric columns, cycled over the members (member m gets entry m % len).
     categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
@@ -506,7 +513,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                                     "softmax_temperature": [Interval(numbers.Real, 0, None, closed="neither")],
                                     "calibrate": ["boolean"], "linear_blend": ["boolean"]}
 
-    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+    def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
@@ -540,7 +547,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             raise ValueError(f"y has 1 class ({self.classes_[0]!r}): a classifier needs at least two classes")
         model = self._prepare()
         max_classes = model.config.max_classes
-        n_members = self.n_estimators
+        n_members = self._members_for(len(y_ids))
         if K > max_classes:
             n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))

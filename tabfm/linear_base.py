@@ -202,7 +202,9 @@ def _ridge():
 
 
 def _out_of_fold(design: np.ndarray, u: np.ndarray, random_state: int | None) -> np.ndarray:
-    """Each row's prediction by a ridge fitted without its fold."""
+    """Each row's prediction by a ridge fitted without its fold. The estimators take any non-negative seed;
+    KFold's RandomState takes those below 2**32, so larger ones are folded into that range."""
     from sklearn.model_selection import KFold, cross_val_predict
 
-    return cross_val_predict(_ridge(), design, u, cv=KFold(N_FOLDS, shuffle=True, random_state=random_state))
+    seed = None if random_state is None else random_state % 2**32
+    return cross_val_predict(_ridge(), design, u, cv=KFold(N_FOLDS, shuffle=True, random_state=seed))

@@ -247,7 +247,7 @@ def save_estimator(est: Any, path: str | Path) -> None:
     if est.tensor_parallel is not None and tuple(est.tensor_parallel) != (1, 1):
         raise ValueError("cannot save an estimator fitted with tensor_parallel (each rank holds only its share of "
                          "the caches): fit it with tensor_parallel=None to save it")
-    path = Path(path)
+    path = Path(path).expanduser()  # "~/model" as a shell would read it, not a folder named "~"
     if path.is_symlink():  # a link to a saved estimator: replace what it points to and keep the link
         path = path.resolve()
     if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE}):
@@ -414,7 +414,7 @@ def _from_version_2(params: dict[str, Any], attributes: dict[str, Any]) -> None:
 
 def load_estimator(cls: type, path: str | Path, device: str | torch.device | None = None) -> Any:
     """The fitted estimator saved at `path` by save_estimator, its caches on `device`, ready to predict."""
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder holding a saved estimator (save one with est.save(path))")
     meta, meta_bytes = _read_meta(folder, cls)

@@ -61,8 +61,8 @@ class Column:
     kind: str
     categories: tuple[str, ...] = ()
     values: str | None = None
-    """A numeric column's values by their type (RawColumn.values: numbers, dates, durations...); None where the cells
-    decided (object columns) or in estimators saved before it was kept."""
+    """A numeric column's values (RawColumn.values: numbers, dates, durations...), by its type or, in an object
+    column, its cells; None in estimators saved before it was kept."""
 
 
 @dataclass
@@ -109,8 +109,17 @@ def category_string(v: Any) -> str:
         return str(int(v))
     if isinstance(v, numbers.Real):
         f = float(v)
-        return str(int(f)) if f.is_integer() else repr(f)
+        if f.is_integer():
+            return str(int(f))
+        if abs(f) <= _FLOAT32_MAX and float(np.float32(f)) == f:
+            # a float32 value (or one widened from float32) is written as float32's shortest decimal, so the 0.1
+            # of a float32 column is the 0.1 of a float64 one (repr of the widened value: 0.10000000149011612)
+            f = float(str(np.float32(f)))
+        return repr(f)
     return str(v)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def unmask(a: np.ndarray) -> np.ndarray:
@@ -225,9 +234,9 @@ class RawColumn(NamedTuple):
     cells: np.ndarray
     """float64 with NaN (numeric; dates, times and durations in seconds) or an object array of str / None."""
     values: str | None = None
-    """"numbers", "dates", "dates with a time zone", "times of day" or "durations" when the column's type says
-    so; None where the cells decided (object columns, strings, categoricals). All of them reach the model as
-    float seconds, so only this tells dates from numbers between fit and predict."""
+    """"numbers", "dates", "dates with a time zone", "times of day" or "durations": what the column's type says,
+    or what the cells of a numeric object column are; None for categorical columns. All of them reach the model
+    as float seconds, so only this tells dates from numbers between fit and predict."""
 
 
 def _arrow_value_kind(t: Any) -> str:
@@ -330,12 +339,13 @@ def _raw_column(col: Any, name: str) -> RawColumn:
         else:
             raise TypeError(f"column {name!r} holds a {type(v).__name__} ({v!r}); X cells must be numbers, strings, "
                             "booleans, dates, times or missing (None / NaN)")
-    return RawColumn(*_decide_object_column(kinds, out, name))
+    return _decide_object_column(kinds, out, name)
 
 
-def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> tuple[str, np.ndarray]:
+def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> RawColumn:
     """An object column's kind from the kinds of its cells: one kind, or an error naming the mix (its order and
-    meaning would be a guess)."""
+    meaning would be a guess). A numeric one records what its cells were (numbers, dates, ...), as a typed column
+    does, so that predict can refuse another kind."""
     if "str" in kinds and len(kinds) > 1:
         example = next(v for v in out if isinstance(v, str))
         other = "numbers" if kinds - {"str"} == {"num"} else "dates or times"
@@ -346,8 +356,10 @@ def _decide_object_column(kinds: set[str], out: np.ndarray, name: str) -> tuple[
         raise ValueError(f"column {name!r} mixes {shown}: give each column one kind of value (dates and datetimes "
                          "may share one)")
     if kinds and kinds != {"str"}:  # numbers, or dates / times / durations already in seconds
-        return "numeric", np.array([np.nan if v is None else v for v in out], dtype=np.float64)
-    return "categorical", out
+        (kind,) = kinds
+        return RawColumn("numeric", np.array([np.nan if v is None else v for v in out], dtype=np.float64),
+                         "numbers" if kind == "num" else kind)
+    return RawColumn("categorical", out)
 
 
 _EPOCH = datetime.datetime(1970, 1, 1)
@@ -394,6 +406,15 @@ def check_table_shape(X: Any) -> tuple[list[str], list[Any]]:
 def _has_names(X: Any) -> bool:
     """Whether X names its columns (a pandas or polars DataFrame); an array's columns are known by position."""
     return isinstance(X, pl.DataFrame) or (hasattr(X, "iloc") and hasattr(X, "columns"))
+
+
+def _non_numeric_words(col: Any) -> str:
+    """What a column read as categorical holds, in words for an error: categories, booleans or strings."""
+    if _has_categorical_dtype(col):
+        return "categories (a categorical dtype)"
+    boolean = (col.dtype == pl.Boolean if isinstance(col, pl.Series) else
+               str(getattr(col, "dtype", "")) in ("bool", "boolean", "bool[pyarrow]"))
+    return "booleans" if boolean else "strings"
 
 
 def _has_categorical_dtype(col: Any) -> bool:
@@ -586,8 +607,9 @@ class TablePreprocessor:
                     kind, raw = "numeric", np.full(n, np.nan)
                 if kind != "numeric":
                     example = next((v for v in raw if v is not None), None)
-                    raise ValueError(f"column {c.name!r} held {c.values or 'numbers'} at fit but holds strings now "
-                                     f"(e.g. {example!r}); pass the same kind of data as at fit")
+                    raise ValueError(f"column {c.name!r} held {c.values or 'numbers'} at fit but holds "
+                                     f"{_non_numeric_words(cols[c.index])} now (e.g. {example!r}); pass "
+                                     f"{c.values or 'numbers'} as at fit")
                 if np.isinf(raw).any():
                     raise ValueError(f"column {c.name!r} holds inf; replace it with a finite value or NaN (missing)")
                 if c.values and now and now != c.values and not np.isnan(raw).all():

@@ -27,6 +27,7 @@ from tabfm.numeric_bounds import squeeze_outliers
 from tabfm.preprocess import Cells, check_table_shape, unmask
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
+from tabfm.validation import check_real_targets
 
 
 MAX_TARGET = 1e307
@@ -61,7 +62,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"],
                                     "calibrate": ["boolean"]}
 
-    def __init__(self, n_estimators: int = 4, *, numeric_transforms: tuple[str, ...] = ("none", "power"),
+    def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
@@ -88,7 +89,12 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
         self._validate_params()
         check_table_shape(X)
-        y = column_or_1d(unmask(y), warn=True)  # masked targets become NaN, refused below
+        y = unmask(y)  # masked targets become NaN, refused below
+        check_real_targets(y)
+        y = column_or_1d(y, warn=True)
+        if y.dtype.kind in "mM":
+            raise ValueError("y holds dates or durations; a regressor needs numbers in a unit you choose: convert "
+                             "them, e.g. (y - start) / np.timedelta64(1, 'D') for days")
         try:
             y = y.astype(np.float64)
         except (TypeError, ValueError):
@@ -100,8 +106,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                              "distribution no room below float64's limit (1.8e308); divide y by a power of ten first")
         self._target_kinds()
         model = self._prepare()
-        held, held_members = self._held_rows(len(y))
-        self._fit_common(X, y, self.n_estimators, model, held=held, held_members=held_members)
+        n_members = self._members_for(len(y))
+        held, held_members = self._held_rows(len(y), n_members)
+        self._fit_common(X, y, n_members, model, held=held, held_members=held_members)
         self.correction_weight_ = 1.0
         if held_members:
             correction = self._cell_outputs(self.train_cells_.take(held), self._mean_of, members=held_members)
@@ -109,14 +116,14 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                 (correction - self.target_scale_.center) / self.target_scale_.scale, self.y_train_[held])
         return self
 
-    def _held_rows(self, n: int) -> tuple[np.ndarray | None, int]:
+    def _held_rows(self, n: int, n_members: int) -> tuple[np.ndarray | None, int]:
         """(held rows, members that leave them out and predict them) for the correction weight; (None, 0)
         without calibrate, with fewer than 10 rows to hold, or where no members can hold them
         (_TabFMBase._held_members: local contexts with rows to spare, 4+ members)."""
         if not self.calibrate:
             return None, 0
         held = calibration.held_out_targets(n, self._calibration_rng())
-        members = self._held_members(self.n_estimators, n - len(held))
+        members = self._held_members(n_members, n - len(held))
         if len(held) < 10 or not members:
             return None, 0
         return held, members
@@ -148,7 +155,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         else:
             self.linear_base_ = None
         kinds = self._target_kinds()
-        self.target_maps_ = [TargetTransform(kinds[m % len(kinds)]).fit(u) for m in range(self.n_estimators)]
+        self.target_maps_ = [TargetTransform(kinds[m % len(kinds)]).fit(u) for m in range(self.n_members_)]
         return u
 
     def _offset(self, cells: Cells) -> np.ndarray:

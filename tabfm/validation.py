@@ -46,7 +46,7 @@ class _PositiveInt(Interval):
 
 
 ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
-    "n_estimators": [_PositiveInt()],
+    "n_estimators": [_PositiveInt(), StrOptions({"auto"})],
     "checkpoint": [str, PurePath, None],
     "categorical_features": [StrOptions({"auto"}), list, tuple, np.ndarray],
     "max_context_rows": [_PositiveInt(), None],
@@ -105,8 +105,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def _label_kind(v: Any) -> str:
     """The kind of one label: labels of different kinds have no common order (np.unique) or equality (True == 1)."""
-    if isinstance(v, str | np.str_ | bytes):
+    if isinstance(v, str | np.str_):
         return "str"
+    if isinstance(v, bytes):  # numpy would turn b"a" beside "b" into the text "a"
+        return "bytes"
     if isinstance(v, bool | np.bool_):
         return "bool"
     if isinstance(v, numbers.Number):
@@ -120,7 +122,8 @@ def check_class_labels(y: Any) -> np.ndarray:
     continuous."""
     y = unmask(y)  # masked labels become missing ones, refused below
     given = np.asarray(y, dtype=object).ravel() if isinstance(y, list | tuple) else None  # numpy would stringify
-    y = column_or_1d(y, warn=True)                                                           # ["a", 1] silently
+    check_real_targets(y)                                                                    # ["a", 1] silently
+    y = column_or_1d(y, warn=True)
     missing = bad = np.zeros(len(y), bool)
     if y.dtype.kind in "fc":
         missing, bad = np.isnan(y), np.isinf(y)
@@ -140,10 +143,26 @@ def check_class_labels(y: Any) -> np.ndarray:
         if len(examples) > 1:
             kinds = " and ".join(f"{k} (e.g. {v!r})" for k, v in examples.items())
             raise ValueError(f"y mixes label types: {kinds}; give every label one type, e.g. y.astype(str)")
-        if y.dtype.kind == "O" and set(examples) <= {"number", "bool"}:  # e.g. a pandas object column of ints:
+        (kind, example), = examples.items()
+        if kind not in ("str", "number", "bool"):  # scikit-learn would call them continuous values
+            raise ValueError(f"y holds labels of type {kind} (e.g. {example!r}); a classifier takes strings, "
+                             "numbers or booleans: convert them, e.g. y.astype(str)")
+        if y.dtype.kind == "O" and kind != "str":  # e.g. a pandas object column of ints:
             y = np.array(y.tolist())  # scikit-learn calls its type "unknown"; read as the numbers they are
+            if y.dtype.kind == "O":
+                raise ValueError(f"y holds numbers numpy cannot store as one array type (e.g. {example!r}; integers "
+                                 "beyond int64 and Decimals are such): convert them, e.g. y.astype(str)")
     check_classification_targets(y)
     return y
+
+
+def check_real_targets(y: Any) -> None:
+    """Refuse complex targets in one line (scikit-learn's message prints the whole array). Read from y's dtype, or
+    a list's: array-likes that are neither are left to column_or_1d."""
+    dtype = np.asarray(y).dtype if isinstance(y, list | tuple) else getattr(y, "dtype", None)
+    if getattr(dtype, "kind", None) == "c":
+        raise ValueError("y holds complex numbers; targets must be real: pass the real part (np.real) or the "
+                         "magnitude (np.abs)")
 
 
 def n_threads(n_jobs: int | None) -> int | None:

@@ -494,6 +494,21 @@ def test_separator_option_reaches_the_ranks(text, separator):
         worker_parser().parse_args(["--train", "a.csv", "--target", "y", "--test", "b.csv", "--separator", ";;"])
 
 
+@pytest.mark.parametrize("text, members", [("auto", "auto"), ("3", 3)])
+def test_n_estimators_option_takes_a_count_or_auto_and_reaches_the_ranks(text, members, capsys):
+    from tabfm._cli_predict import worker_parser
+    from tabfm.launch import worker_argv
+
+    base = ["--train", "a.csv", "--target", "y", "--test", "b.csv"]
+    args = worker_parser().parse_args([*base, "--n-estimators", text])
+    assert args.n_estimators == members
+    assert worker_parser().parse_args(worker_argv(worker_parser(), args)) == args
+    assert worker_parser().parse_args(base).n_estimators == "auto"
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args([*base, "--n-estimators", "many"])
+    assert "'many' is not a member count: give a whole number, or auto" in capsys.readouterr().err
+
+
 def _predict_worker(argv: list[str]) -> int:
     from tabfm._cli_predict import worker_main
 

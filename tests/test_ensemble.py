@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tabfm.ensemble import ONEHOT_MAX_CATEGORIES, Member, draw_members, member_cells, member_width
+from tabfm.ensemble import (AUTO_MEMBER_ROWS, ONEHOT_MAX_CATEGORIES, Member, auto_members, draw_members, member_cells,
+                            member_width)
 from tabfm.preprocess import NUMERIC_TRANSFORMS, TablePreprocessor
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
@@ -20,6 +21,14 @@ def _table(n=40, seed=0):
         "three": pd.Series(rng.choice(["a", "b", "c", None], n), dtype=object),
         "wide": rng.choice(wide, n),
     })
+
+
+def test_auto_members_spend_on_small_tables_what_four_members_cost_on_1024_rows():
+    assert [auto_members(n) for n in (1, 10, 256, 257, 300, 512, 800, 1023, 1024, 5000, 10**7)] == \
+        [16, 16, 16, 15, 13, 8, 5, 4, 4, 4, 4]
+    counts = [auto_members(n) for n in range(1, 3000)]
+    assert all(a >= b for a, b in zip(counts, counts[1:]))  # never more members for more rows
+    assert all(m * n <= AUTO_MEMBER_ROWS for n, m in enumerate(counts, 1) if m > 4)
 
 
 def test_draw_members_orders_subsets_and_cycles():

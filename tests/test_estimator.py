@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pandas as pd
 import polars as pl
 import pytest
 import torch
@@ -26,14 +27,14 @@ def _expected_failures(est) -> dict[str, str]:
     return out
 
 
-# The regressors keep their default 4 members: check_regressors_train rounds X to integers (the tags accept
-# categorical input) and wants a training R^2 above 0.5, which the shipped model reaches with 4 members (0.67)
-# but not with 2 (0.48).
+# The regressors have 4 members (what "auto" gives tables of 1,024 rows or more; the checks' small tables would get
+# 16, four times the time): check_regressors_train rounds X to integers (the tags accept categorical input) and
+# wants a training R^2 above 0.5, which the shipped model reaches with 4 members (0.67) but not with 2 (0.48).
 # The last two run the checks in float64 through local contexts (tables of more than 24 train rows are split);
 # float64 with one context is test_predictions_do_not_depend_on_test_row_order's (subset invariance, exactly).
-@parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(),
+@parametrize_with_checks([TabFMClassifier(n_estimators=2), TabFMRegressor(n_estimators=4),
                           TabFMClassifier(n_estimators=2, dtype="float64", local_context_rows=24),
-                          TabFMRegressor(dtype="float64", local_context_rows=24)],
+                          TabFMRegressor(n_estimators=4, dtype="float64", local_context_rows=24)],
                          expected_failed_checks=_expected_failures)
 def test_sklearn_compatible(estimator, check):
     check(estimator)
@@ -142,6 +143,21 @@ def test_bad_regression_target():
         TabFMRegressor(n_estimators=1).fit(X, np.array([1.0, 2, np.nan, 3, 4, 5]))
     with pytest.raises(ValueError, match="must hold numbers"):
         TabFMRegressor(n_estimators=1).fit(X, np.array(list("abcdef"), dtype=object))
+    dates = pd.Series(pd.date_range("2020-01-01", periods=6))  # read as the counts of its unit: 1e9 apart by unit
+    for y in (dates, dates - dates[0], dates.to_numpy()):
+        with pytest.raises(ValueError, match=r"^y holds dates or durations; a regressor needs numbers"):
+            TabFMRegressor(n_estimators=1).fit(X, y)
+    with pytest.raises(ValueError, match=r"^y holds complex numbers"):
+        TabFMRegressor(n_estimators=1).fit(X, X[:, 0] + 0j)
+
+
+def test_any_seed_the_parameters_accept_fits():
+    """Seeds of 2**32 and more: the regressor's ridge folds (scikit-learn's KFold) take only 32-bit ones."""
+    X = np.random.default_rng(0).normal(size=(40, 2))
+    for est, y in ((TabFMRegressor(n_estimators=1, random_state=2**40), X[:, 0]),
+                   (TabFMClassifier(n_estimators=1, random_state=2**40), X[:, 0] > 0)):
+        first = est.fit(X, y).predict(X)
+        np.testing.assert_array_equal(est.fit(X, y).predict(X), first)
 
 
 def test_bad_predict_input_gets_a_clear_error():
@@ -295,7 +311,7 @@ def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw
     X, y = rng.normal(size=(900, 4)), rng.normal(size=900)
     kwargs = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
     reg = TabFMRegressor(**kwargs).fit(X[:600], y[:600])
-    held, members = reg._held_rows(600)
+    held, members = reg._held_rows(600, 4)
     assert members == 2 and len(held) == 120
     for m in range(4):
         assert np.isin(held, reg.context_rows_[reg.context_members_ == m]).any() == (m >= 2)
@@ -320,6 +336,32 @@ def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw
 
     signal = np.sin(2 * X[:, 0]) * 3
     assert TabFMRegressor(**kwargs).fit(X[:600], signal[:600]).correction_weight_ > 0.8
+
+
+def test_auto_members_fit_more_members_on_small_tables(tmp_path):
+    """n_estimators="auto" (the default) fits tabfm.ensemble.auto_members(train rows) members: exactly the fit
+    that count gives when asked for; the parameter stays "auto" (clone, get_params) and a saved estimator keeps
+    its members."""
+    df, y = mixed_frame(160)
+    clf = TabFMClassifier(n_jobs=1).fit(df[:100], y[:100])
+    assert clf.get_params()["n_estimators"] == "auto" and clf.n_members_ == 16 == len(clf.members_)
+    assert clf.class_codes_.shape[0] == 16
+    sixteen = TabFMClassifier(n_estimators=16, n_jobs=1).fit(df[:100], y[:100])
+    np.testing.assert_array_equal(clf.predict_proba(df[100:]), sixteen.predict_proba(df[100:]))
+    clf.save(tmp_path / "clf")
+    loaded = TabFMClassifier.load(tmp_path / "clf")
+    assert loaded.n_members_ == 16 and loaded.get_params()["n_estimators"] == "auto"
+    np.testing.assert_array_equal(loaded.predict_proba(df[100:]), sixteen.predict_proba(df[100:]))
+    assert TabFMClassifier(n_estimators=3, n_jobs=1).fit(df[:100], y[:100]).n_members_ == 3
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(700, 3))
+    target = X[:, 0] + np.sin(X[:, 1])
+    reg = TabFMRegressor(n_jobs=1).fit(X[:600], target[:600])  # 4096 // 600 = 6 members, local contexts
+    assert reg.n_members_ == 6 == len(reg.target_maps_) and set(reg.context_members_) == set(range(6))
+    six = TabFMRegressor(n_estimators=6, n_jobs=1).fit(X[:600], target[:600])
+    assert six.correction_weight_ == reg.correction_weight_
+    np.testing.assert_array_equal(reg.predict(X[600:]), six.predict(X[600:]))
 
 
 def test_more_classes_than_the_head():

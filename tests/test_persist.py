@@ -351,6 +351,15 @@ def test_saving_again_replaces_the_earlier_save(fitted_classifier, saved_classif
     np.testing.assert_array_equal(TabFMClassifier.load(path).predict_proba(X_test), clf.predict_proba(X_test))
 
 
+def test_a_path_under_the_home_folder_is_read_as_a_shell_reads_it(fitted_classifier, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    clf, X_test = fitted_classifier
+    clf.save("~/model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # not ./~/model
+    np.testing.assert_array_equal(TabFMClassifier.load("~/model").predict_proba(X_test), clf.predict_proba(X_test))
+
+
 def test_the_checkpoint_path_is_kept_and_must_exist_at_load(tmp_path):
     checkpoint = tmp_path / "model.safetensors"
     shutil.copy(DEFAULT_CHECKPOINT, checkpoint)

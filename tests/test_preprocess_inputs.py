@@ -288,6 +288,47 @@ def test_a_date_column_given_as_text_at_predict_says_it_held_dates():
         pre.transform(X.assign(d=X["d"].dt.strftime("%Y-%m-%d")))
 
 
+def test_a_numeric_column_given_as_categories_or_booleans_at_predict_says_so():
+    X = pd.DataFrame({"k": [1, 2, 3, 1, 2, 3], "x": np.arange(6.0)})
+    pre = _fit_quietly(X)
+    with pytest.raises(ValueError, match=r"column 'k' held numbers at fit but holds categories \(a categorical "
+                                         r"dtype\) now \(e.g. '1'\); pass numbers as at fit"):
+        pre.transform(X.assign(k=pd.Categorical(X["k"])))
+    with pytest.raises(ValueError, match="column 'k' held numbers at fit but holds booleans now"):
+        pre.transform(pl.from_pandas(X).with_columns(pl.col("k") > 1))
+
+
+@pytest.mark.parametrize("at_fit, at_predict, message", [
+    ([dt.date(2020, 1, d) for d in range(1, 7)], np.arange(6.0), "held dates at fit but numbers now"),
+    ([dt.date(2020, 1, d) for d in range(1, 7)], pd.to_timedelta(np.arange(6), unit="D"),
+     "held dates at fit but durations now"),
+    ([dt.timedelta(hours=h) for h in range(6)], pd.Series(pd.date_range("2024-01-01", periods=6)),
+     "held durations at fit but dates now"),
+    ([float(v) for v in range(6)], pd.Series(pd.date_range("2024-01-01", periods=6)), "held numbers at fit but dates now"),
+], ids=["dates-numbers", "dates-durations", "durations-dates", "numbers-dates"])
+def test_an_object_column_remembers_what_its_cells_were(at_fit, at_predict, message):
+    """An object column of dates (or durations, or numbers) is refused at predict as another kind, as a typed
+    column is: all reach the model as seconds, so it would be misread without a word."""
+    X = pd.DataFrame({"t": pd.Series(at_fit, dtype=object), "x": np.arange(6.0)})
+    pre = _fit_quietly(X)
+    with pytest.raises(ValueError, match=f"column 't' {message}"):
+        pre.transform(X.assign(t=at_predict))
+    np.testing.assert_array_equal(pre.transform(X).values, pre.transform(X.copy()).values)
+
+
+def test_float32_categories_are_the_float64_ones():
+    """A float32 0.1 and a float64 0.1 are one category (float32's shortest decimal, not the widened value's)."""
+    v = np.array([0.5, 0.25, 0.1, 1e-5, 3.0, 0.1])
+    X = pd.DataFrame({"v": v, "x": np.arange(6.0)})
+    pre = TablePreprocessor(categorical_features=["v"]).fit(X)
+    codes = pre.transform(X).codes[:, 0]
+    assert (codes >= 0).all() and len(set(codes)) == 5
+    np.testing.assert_array_equal(pre.transform(X.astype({"v": "float32"})).codes[:, 0], codes)
+    np.testing.assert_array_equal(pre.transform(pl.from_pandas(X).cast({"v": pl.Float32})).codes[:, 0], codes)
+    assert TablePreprocessor(categorical_features=["v"]).fit(X.astype({"v": "float32"})).transform(X).codes[:, 0] \
+        .tolist() == codes.tolist()
+
+
 def test_a_generator_is_refused_as_no_table():
     with pytest.raises(ValueError, match="X must be a table .* got a generator"):
         TablePreprocessor().fit(([i, i + 1.0] for i in range(5)))

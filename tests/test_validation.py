@@ -5,6 +5,7 @@ or refuse by name (complex, nested, duplicate names)."""
 from __future__ import annotations
 
 import datetime
+import decimal
 import os
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_label
 
 # -- parameters ---------------------------------------------------------------------------------------------
 
-PARAMETERS = {"n_estimators": 4, "checkpoint": None, "categorical_features": "auto", "max_context_rows": None,
+PARAMETERS = {"n_estimators": "auto", "checkpoint": None, "categorical_features": "auto", "max_context_rows": None,
               "batch_size": 1024, "device": "cpu", "dtype": "float32", "precision": "auto", "tensor_parallel": None,
               "sequence_parallel": True, "random_state": 0, "verbose": False, "calibrate": True, "n_jobs": None}
 
@@ -54,7 +55,7 @@ def test_constraints_cover_the_estimator_parameters():
 
 
 @pytest.mark.parametrize("name, value", [
-    ("n_estimators", 3), ("n_estimators", np.int64(2)), ("max_context_rows", 10), ("batch_size", 1),
+    ("n_estimators", 3), ("n_estimators", np.int64(2)), ("n_estimators", "auto"), ("max_context_rows", 10), ("batch_size", 1),
     ("checkpoint", "model.safetensors"), ("checkpoint", Path("m")),
     ("categorical_features", [0, "colour"]), ("device", "cuda:1"), ("device", torch.device("cpu")),
     ("dtype", "bfloat16"), ("dtype", torch.float64), ("precision", "bf16"), ("tensor_parallel", (2, 1)), ("random_state", None),
@@ -66,7 +67,7 @@ def test_good_parameters_pass(name, value):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("n_estimators", 0), ("n_estimators", True), ("n_estimators", "4"), ("n_estimators", 2.0),
+    ("n_estimators", 0), ("n_estimators", True), ("n_estimators", "4"), ("n_estimators", 2.0), ("n_estimators", "AUTO"),
     ("batch_size", 0), ("max_context_rows", -5), ("random_state", -1), ("random_state", "0"),
     ("dtype", torch.int64), ("dtype", "int8"), ("precision", "bfloat16"), ("device", 0), ("checkpoint", 3), ("tensor_parallel", 5),
     ("sequence_parallel", "yes"), ("calibrate", None), ("categorical_features", "all"), ("n_jobs", 0),
@@ -131,6 +132,17 @@ def test_mixed_label_types_are_refused(y, kinds):
 def test_other_bad_labels():
     with pytest.raises(ValueError, match="y holds inf in 1 rows"):
         check_class_labels([0.0, np.inf, 1.0])
+    with pytest.raises(ValueError, match=r"y holds labels of type Interval \(e.g. Interval\(.*convert them, e.g. "
+                                         r"y.astype\(str\)"):
+        check_class_labels(pd.cut([0.1, 0.5, 0.9, 0.2], 2))
+    with pytest.raises(ValueError, match=r"y holds numbers numpy cannot store as one array type \(e.g. Decimal"):
+        check_class_labels(np.array([decimal.Decimal("1.5"), decimal.Decimal("2")], dtype=object))
+    with pytest.raises(ValueError, match="y holds numbers numpy cannot store as one array type .*convert them"):
+        check_class_labels(np.array([2**70, 1, 1], dtype=object))
+    with pytest.raises(ValueError, match="y mixes label types: bytes .* and str"):
+        check_class_labels([b"a", "b", "b"])
+    with pytest.raises(ValueError, match=r"^y holds complex numbers; targets must be real"):
+        check_class_labels(np.array([1 + 0j, 2 + 0j]))
     with pytest.raises(ValueError, match="continuous"):
         check_class_labels([0.5, 1.5, 2.25])
 
@@ -221,7 +233,9 @@ def test_durations_and_times_read_as_seconds():
     assert _raw_column(np.array([90, 30], dtype="timedelta64[s]"), "t").values == "durations"
     assert _raw_column(pd.Series(pd.period_range("2020-01", periods=2, freq="M")), "t").values == "dates"
     assert _raw_column(pl.Series("t", [1.5, None]), "t").values == "numbers"
-    assert _raw_column(np.array([1, 2], dtype=object), "t").values is None  # the cells decided
+    assert _raw_column(np.array([1, 2], dtype=object), "t").values == "numbers"  # the cells decided
+    assert _raw_column(np.array([datetime.timedelta(1), None], dtype=object), "t").values == "durations"
+    assert _raw_column(np.array(["a", None], dtype=object), "t").values is None  # categorical
     assert _raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t")[1][0] == 90
     assert _raw_column(pl.Series("t", [datetime.timedelta(minutes=2), None]), "t")[1][0] == 120
     kind, raw, values = _raw_column(pl.Series("t", [datetime.time(1), None]), "t")
