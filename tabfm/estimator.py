@@ -51,7 +51,7 @@ from tabfm.linear_base import LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
-from tabfm.preprocess import Cells, TablePreprocessor, check_table_shape
+from tabfm.preprocess import Cells, TablePreprocessor, arrow_as_polars, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
                               resolve_seed, torch_threads)
@@ -146,6 +146,7 @@ class _TabFMBase(BaseEstimator):
         """Preprocess, draw the ensemble and (unless encode is False) encode the contexts; y is [n] class ids or
         float targets; held: train rows the first held_members members' local contexts leave out (the
         classifier's calibration rows)."""
+        X = arrow_as_polars(X)
         validate_data(self, X, reset=True, skip_check_array=True)
         kinds = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else tuple(self.numeric_transforms)
         used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # fit only what is used
@@ -327,6 +328,7 @@ class _TabFMBase(BaseEstimator):
     def _cells_of(self, X: Any) -> Cells:
         """The preprocessed cells of the rows of X, checked against what fit saw."""
         check_is_fitted(self, "preprocessor_")
+        X = arrow_as_polars(X)
         check_table_shape(X)
         validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
         return self.preprocessor_.transform(X)

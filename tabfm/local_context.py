@@ -48,6 +48,9 @@ ONEHOT_CATEGORIES = 10
 """Categorical columns of at most this many categories are one-hot in the distance space."""
 RELEVANCE_BINS = 16
 """Quantile bins of a numeric column in column_relevance (a missing cell is a bin of its own)."""
+SPACE_LIMIT = 1e6
+"""Largest coordinate in the distance space, in column deviations (far past any train row; its square and sums of
+squares stay finite in float32)."""
 _DISTANCE_CELLS = 1 << 24
 """Most entries of one block of pairwise distances (bounds the memory of a nearest-row search)."""
 
@@ -199,9 +202,13 @@ class LocalContexts:
         return state
 
     def space(self, cells: Cells) -> np.ndarray:
-        """[n, D] float32: rows in the distance space (missing cells at the centre, 0)."""
-        z = (_raw_space(cells) / self.peak - self.center) / self.scale
-        return (np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0) * self.weight).astype(np.float32)
+        """[n, D] float32: rows in the distance space (missing cells at the centre, 0). A value beyond SPACE_LIMIT
+        deviations (one near float64's limit overflows) sits at the limit, so it is routed with the train rows at
+        that edge of its column."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            z = (_raw_space(cells) / self.peak - self.center) / self.scale
+        z = np.clip(np.nan_to_num(z, nan=0.0, posinf=SPACE_LIMIT, neginf=-SPACE_LIMIT), -SPACE_LIMIT, SPACE_LIMIT)
+        return (z * self.weight).astype(np.float32)
 
     def route(self, cells: Cells, points: torch.Tensor | None = None) -> np.ndarray:
         """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from. points: this

@@ -136,17 +136,23 @@ def unmask(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def arrow_as_polars(X: Any) -> Any:
+    """A pyarrow Table or RecordBatch as a polars DataFrame (zero-copy for most types), so that it is read by
+    column name and each column's own type, like a DataFrame (numpy would make it one array of one type); anything
+    else as it is."""
+    if type(X).__module__.startswith("pyarrow") and hasattr(X, "column_names") and hasattr(X, "num_rows"):
+        X = pl.from_arrow(X)
+        return X.to_frame() if isinstance(X, pl.Series) else X  # a one-column batch comes back as a Series
+    return X
+
+
 def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     """(names, column objects)."""
-    try:
-        import polars as pl
-
-        if isinstance(X, pl.DataFrame):
-            return [str(c) for c in X.columns], X.get_columns()
-        if isinstance(X, pl.LazyFrame):
-            raise TypeError("X is a polars LazyFrame: collect() it first")
-    except ImportError:  # polars is a dependency; keep numpy-only use working without it
-        pass
+    X = arrow_as_polars(X)
+    if isinstance(X, pl.DataFrame):
+        return [str(c) for c in X.columns], X.get_columns()
+    if isinstance(X, pl.LazyFrame):
+        raise TypeError("X is a polars LazyFrame: collect() it first")
     if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
         raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
                         "use X.toarray() to convert it to a dense numpy array")

@@ -209,9 +209,11 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
         """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
         members', moved by the correction weight as predict's mean is), in target units."""
-        q = np.atleast_1d(np.asarray(quantiles, np.float64))
-        if q.ndim != 1 or not ((q > 0) & (q < 1)).all():
-            raise ValueError(f"quantiles must be numbers strictly between 0 and 1, got {quantiles!r}")
+        given = np.atleast_1d(np.asarray(quantiles))
+        q = given.astype(np.float64) if given.dtype.kind in "iuf" else np.full(1, np.nan)  # "0.5" is no number
+        if q.ndim != 1 or not len(q) or not ((q > 0) & (q < 1)).all():
+            raise ValueError(f"quantiles must be a non-empty list of numbers strictly between 0 and 1, got "
+                             f"{quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         cells = self._cells_of(X)
         out = self._cell_outputs(cells, lambda probs, units: np.column_stack([mixture_quantiles(

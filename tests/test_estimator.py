@@ -151,6 +151,15 @@ def test_bad_regression_target():
         TabFMRegressor(n_estimators=1).fit(X, X[:, 0] + 0j)
 
 
+def test_quantiles_must_be_numbers_between_0_and_1():
+    X = np.random.default_rng(0).normal(size=(40, 2))
+    reg = TabFMRegressor(n_estimators=1).fit(X, X[:, 0])
+    for bad in ([], ["0.5"], [0.0, 0.5], [1.5], [[0.1], [0.9]]):
+        with pytest.raises(ValueError, match="quantiles must be a non-empty list of numbers strictly between 0 and 1"):
+            reg.predict_quantiles(X, bad)
+    assert reg.predict_quantiles(X, 0.5).shape == (40, 1)
+
+
 def test_any_seed_the_parameters_accept_fits():
     """Seeds of 2**32 and more: the regressor's ridge folds (scikit-learn's KFold) take only 32-bit ones."""
     X = np.random.default_rng(0).normal(size=(40, 2))

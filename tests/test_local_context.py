@@ -14,7 +14,8 @@ from builders import mixed_frame
 
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
-from tabfm.local_context import OVERLAP, LocalContexts, _kmeans, column_relevance, padded_chunks
+from tabfm.local_context import (OVERLAP, SPACE_LIMIT, LocalContexts, _kmeans, column_relevance,
+                                 padded_chunks)
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -222,3 +223,23 @@ def test_sharded_local_contexts_equal_one_process(ranks, world, d0, d1, sp):
     for tp_clf, tp_reg in results:
         np.testing.assert_allclose(tp_clf, clf, rtol=0, atol=1e-10)
         np.testing.assert_allclose(tp_reg, reg, rtol=1e-10, atol=1e-10)
+
+
+def test_values_near_float64_s_limit_are_routed_to_their_edge_without_warnings():
+    """1e308 overflows the distance space's division: it sits at SPACE_LIMIT deviations, so the row goes to the
+    context of the largest train rows of its column (it went to the centre's, as a missing cell does, with
+    overflow warnings)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(600, 2))
+    clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X, (X[:, 0] > 0).astype(int))
+    test = np.array([[1e308, 0.0], [-1e308, 0.0], [50.0, 0.0], [-50.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cells = clf.preprocessor_.transform(test)
+        space = clf.local_.space(cells)
+        proba = clf.predict_proba(test)
+    assert np.isfinite(space).all() and abs(space[0, 0]) <= SPACE_LIMIT and space[0, 0] > 0 > space[1, 0]
+    route = clf.local_.route(cells)
+    np.testing.assert_array_equal(route[:, 0], route[:, 2])  # with the largest rows, as 50 deviations is
+    np.testing.assert_array_equal(route[:, 1], route[:, 3])
+    assert proba[0, 1] > 0.9 and proba[1, 0] > 0.9

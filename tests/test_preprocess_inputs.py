@@ -329,6 +329,27 @@ def test_float32_categories_are_the_float64_ones():
         .tolist() == codes.tolist()
 
 
+def test_pyarrow_tables_and_batches_read_as_the_polars_frame_they_are():
+    """By name and by each column's own type (numpy would make one array of one type, and lose the names that
+    categorical_features may use)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(80, 2))
+    y = (X[:, 0] > 0).astype(int)
+    table = pa.table({"a": X[:, 0], "s": ["p", "q"] * 40, "d": pa.array(pd.date_range("2020", periods=80))})
+    clf = TabFMClassifier(categorical_features=["s"], n_estimators=2, n_jobs=1).fit(table, y)
+    assert list(clf.feature_names_in_) == ["a", "s", "d"]
+    assert [(c.name, c.kind, c.values) for c in clf.preprocessor_.columns_] == [
+        ("a", "numeric", "numbers"), ("s", "categorical", None), ("d", "numeric", "dates")]
+    same = TabFMClassifier(categorical_features=["s"], n_estimators=2, n_jobs=1).fit(pl.from_arrow(table), y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "X does not have valid feature names"
+        for given in (table, table.to_batches()[0], pl.from_arrow(table)):
+            np.testing.assert_array_equal(clf.predict_proba(given), same.predict_proba(pl.from_arrow(table)))
+        one = TabFMClassifier(n_estimators=1, n_jobs=1).fit(pa.table({"a": X[:, 0]}), y)
+        np.testing.assert_array_equal(one.predict(pa.record_batch({"a": X[:5, 0]})),
+                                      one.predict(pl.DataFrame({"a": X[:5, 0]})))
+
+
 def test_a_generator_is_refused_as_no_table():
     with pytest.raises(ValueError, match="X must be a table .* got a generator"):
         TablePreprocessor().fit(([i, i + 1.0] for i in range(5)))
