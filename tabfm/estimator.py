@@ -500,9 +500,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Divides the members' logits; used when calibrate is False.
     calibrate : bool, default=True
         Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
-        other train rows by the first two members. With local contexts and at least 4 members those members'
-        contexts leave the held rows out, at no extra cost; otherwise a probe costs about half of one more
-        encoding of the train rows.
+        other train rows by the first two members (a quarter of 12 or more). With local contexts and at least 4
+        members those members' contexts leave the held rows out, at no extra cost; otherwise a probe costs about
+        half of one more encoding of the train rows.
     linear_blend : bool, default=True
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
@@ -603,7 +603,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         them (the cell statistics, the attention down each column, the in-context transformer). It is kept
         cheap: its context holds at most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn
         per member, and it runs before the full contexts are encoded, its caches freed first, so peak memory is
-        the larger encoding, not both; and it runs the first calibration.CALIBRATION_MEMBERS members only,
+        the larger encoding, not both; and it runs the first calibration.calibration_members members only,
         where the classes allow.
         """
         y, n = self.y_train_, len(self.y_train_)
@@ -611,7 +611,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         probe = copy.copy(self)  # through __getstate__: no model_, no contexts
         probe.model_ = self._model()
         if len(self.classes_) <= self.n_groups_:  # else every member is needed to decode the classes
-            members = min(self.n_members_, calibration.CALIBRATION_MEMBERS)
+            members = calibration.calibration_members(self.n_members_)
             probe.n_members_, probe.members_ = members, self.members_[:members]
             probe.class_codes_ = self.class_codes_[:members]
         probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]

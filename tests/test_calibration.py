@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tabfm.calibration import (CALIBRATION_ROWS, TEMPERATURES, correction_weight, fit_temperature_and_blend,
-                               held_out_rows, held_out_targets)
+from tabfm.calibration import (CALIBRATION_ROWS, TEMPERATURES, calibration_members, correction_weight,
+                               fit_temperature_and_blend, held_members, held_out_rows, held_out_targets)
 
 
 def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
@@ -68,3 +68,8 @@ def test_the_correction_weight_is_least_squares_clipped_to_0_1_and_pulled_to_1_b
     assert correction_weight(c, noise) < 0.05
     assert correction_weight(c, -c) < 1e-3 and correction_weight(c, 2 * c) == 1.0
     assert correction_weight(np.zeros(5), rng.normal(size=5)) == 1.0    # no correction to weigh
+
+
+def test_larger_ensembles_calibrate_on_a_quarter_of_their_members():
+    assert [calibration_members(n) for n in (1, 2, 3, 4, 8, 11, 12, 16)] == [1, 2, 2, 2, 2, 2, 3, 4]
+    assert [held_members(n) for n in (1, 2, 3, 4, 8, 12, 16)] == [0, 0, 0, 2, 2, 3, 4]  # at most half of them

@@ -276,6 +276,9 @@ def test_calibration_probe_runs_the_first_members_unless_the_classes_need_all(mo
     assert tables == [(calibration.CALIBRATION_MEMBERS, probe_rows), (4, 100)] and probe_rows < 100
     assert 0.2 <= clf.temperature_ <= 3.0
     tables.clear()
+    TabFMClassifier(n_jobs=1).fit(df[:100], y[:100])  # "auto": 16 members, calibrated on a quarter of them
+    assert tables == [(4, probe_rows), (16, 100)]
+    tables.clear()
     rng = np.random.default_rng(0)
     many = rng.integers(0, 12, 120)  # 12 classes, the head has 10
     X = rng.normal(size=(120, 3)) + many[:, None]
