@@ -164,6 +164,8 @@ def load_train(args: argparse.Namespace):
     from tabfm import table_io
 
     train = read_table(args.train, _na(args), args.separator, args.decimal_comma)
+    _say_short_rows(args, args.train, table_io.short_rows(args.train, args.separator,
+                                                          train.get_column(train.columns[-1]).null_count()))
     for column, k, n, others in table_io.mostly_numeric_text(train):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
@@ -256,6 +258,14 @@ def _na(args: argparse.Namespace) -> list[str]:
     return table_io.na_tokens(args.na_values, defaults=not args.no_default_na)
 
 
+def _say_short_rows(args: argparse.Namespace, path: str, found: tuple[int, int] | None) -> None:
+    """A warning line for rows with fewer fields than the header (table_io.short_rows), read as missing cells."""
+    if found:
+        count, line = found
+        _say(args, f"{path}: {count} row(s) have fewer fields than the header (the first on line {line}); their "
+             "absent last cells are read as missing: check the file is complete", warning=True)
+
+
 def open_test(args: argparse.Namespace, X):
     """--test opened for reading in batches (tabfm.table_io.TableScan), checked to hold X's columns; its other
     columns (the target aside) are named in a progress line and not read."""
@@ -265,6 +275,7 @@ def open_test(args: argparse.Namespace, X):
     missing_cols = [c for c in X.columns if c not in test.columns]
     if missing_cols:
         raise ValueError(f"{args.test} lacks the train table's feature columns {missing_cols}")
+    _say_short_rows(args, args.test, test.short_rows())
     unused = [c for c in test.columns if c not in X.columns and c != args.target]
     if unused:  # e.g. an id column, or a feature the train table lacks: said rather than dropped unseen
         _say(args, f"{args.test}: ignoring {len(unused)} column(s) the train table's features do not include: "

@@ -232,6 +232,27 @@ def _ragged(p: Path, separator: str) -> str:
     return f"{p}: a row has more fields than the header; fix that row (a separator inside a value needs quotes)"
 
 
+def short_rows(path: str | Path, separator: str | None = None, last_column_missing: int = 1) -> tuple[int, int] | None:
+    """(rows with fewer fields than the header, the line of the first) of a CSV/TSV file, or None where there are
+    none. polars (like pandas) reads a short row's absent last cells as missing without a word; a cut-off file or
+    a lost separator looks just like that, so the CLI says so. Such a row leaves the last column missing, so
+    callers pass how many cells of it are (0: no short row, and the file is not read again); Parquet has no rows
+    to be short."""
+    p = Path(path)
+    separator = _separator(p, separator)
+    if separator is None or not last_column_missing:
+        return None
+    count, first = 0, 0
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter=separator)
+        width = len(next(reader, []))
+        for row in reader:
+            if 0 < len(row) < width and row != [""]:  # a blank line is no row (polars skips it)
+                count += 1
+                first = first or reader.line_num
+    return (count, first) if count else None
+
+
 def _check_header(p: Path, columns: Sequence[str]) -> None:
     """polars renames a repeated column name to NAME_duplicated_0 without a word; refuse it instead. A column with
     no name is refused too: it is nearly always the row index pandas' to_csv writes, which the model would take
@@ -439,6 +460,16 @@ class TableScan:
             yield
         except (pl.exceptions.PolarsError, OSError) as e:
             raise _read_error(self.path, self._separator, e) from None
+
+    def short_rows(self) -> tuple[int, int] | None:
+        """table_io.short_rows of this file (the last column's missing cells counted in one streaming pass)."""
+        import polars as pl
+
+        if self._separator is None:
+            return None
+        with self._reading():
+            missing = self._frame.select(pl.col(self.columns[-1]).is_null().sum()).collect().item()
+        return short_rows(self.path, self._separator, missing)
 
     def batches(self, schema: Mapping[str, pl.DataType], rows: int) -> Iterator[pl.DataFrame]:
         """The columns named in `schema`, `rows` rows at a time (about: polars decides the exact sizes), each

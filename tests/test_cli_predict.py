@@ -509,6 +509,21 @@ def test_n_estimators_option_takes_a_count_or_auto_and_reaches_the_ranks(text, m
     assert "'many' is not a member count: give a whole number, or auto" in capsys.readouterr().err
 
 
+def test_short_rows_are_named_in_a_warning_line(tables, capsys):
+    lines = (tables / "train.csv").read_text().splitlines()
+    lines[3] = ",".join(lines[3].split(",")[:2])  # line 4 loses its last fields, the label among them
+    (tables / "train.csv").write_text("\n".join(lines) + "\n")
+    (tables / "test.csv").write_text((tables / "test.csv").read_text() + "1.5\n")
+    out = tables / "pred.csv"
+    assert main(["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test",
+                 str(tables / "test.csv"), "-o", str(out), "--n-estimators", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    for name, line in (("train.csv", 4), ("test.csv", 32)):
+        assert (f"tabfm predict: warning: {tables / name}: 1 row(s) have fewer fields than the header (the first "
+                f"on line {line}); their absent last cells are read as missing: check the file is complete") in err
+    assert pl.read_csv(out).height == 31
+
+
 def _predict_worker(argv: list[str]) -> int:
     from tabfm._cli_predict import worker_main
 

@@ -285,3 +285,23 @@ def test_an_error_while_writing_in_batches_leaves_the_old_file(tmp_path):
         for x in ([1, 2], [], [3]):
             writer.write(pl.DataFrame({"x": x}, schema={"x": pl.Int64}))
     assert out.read_text() == "x\n1\n2\n3\n" and writer.rows == 3
+
+
+def test_short_rows_are_counted_with_the_first_line(tmp_path):
+    """Rows with fewer fields than the header (polars reads their absent cells as missing): counted, the first
+    named by its line; a quoted newline, a blank line or a row of empty cells is no short row."""
+    path = tmp_path / "t.csv"
+    path.write_text('a,b,c\n1,"x\ny",3\n\n4,5\n,,\n6\n7,8,9\n')
+    assert table_io.short_rows(path) == (2, 5)
+    assert table_io.short_rows(path, last_column_missing=0) is None  # the caller's count says there are none
+    semi = tmp_path / "t.txt"
+    semi.write_text("a;b\n1;2\n3\n")
+    assert table_io.short_rows(semi, ";") == (1, 3)
+    full = tmp_path / "full.csv"
+    full.write_text("a,b\n1,\n2,3\n")  # an empty last cell is a missing value, not a short row
+    assert table_io.short_rows(full) is None
+    pl.DataFrame({"a": [1, None]}).write_parquet(tmp_path / "t.parquet")
+    assert table_io.short_rows(tmp_path / "t.parquet") is None
+    scan = TableScan(path, NA_VALUES)
+    assert scan.short_rows() == (2, 5)
+    assert TableScan(full, NA_VALUES).short_rows() is None
