@@ -219,14 +219,17 @@ class _Decoder:
 # -- save ---------------------------------------------------------------------------------------------------------
 
 def _plain_params(est: Any) -> dict[str, Any]:
-    """get_params() as JSON values (a Path as its string, numpy scalars as numbers); refuses anything else."""
+    """get_params() as JSON values (a Path or torch.device as its string, a torch.dtype as its name, numpy scalars
+    as numbers); refuses anything else."""
     def plain(name: str, value: Any) -> Any:
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return value.item()
         if value is None or isinstance(value, bool | int | float | str):
             return value
-        if isinstance(value, Path):
+        if isinstance(value, Path | torch.device):
             return str(value)
+        if isinstance(value, torch.dtype):  # torch.float32 as the "float32" the dtype parameter also takes
+            return str(value).removeprefix("torch.")
         if isinstance(value, list | tuple):
             return type(value)(plain(name, v) for v in value)
         if isinstance(value, np.ndarray) and value.ndim == 1:  # e.g. categorical_features as an array: a list

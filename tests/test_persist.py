@@ -296,6 +296,15 @@ def test_an_array_parameter_saves_as_a_list(tmp_path):
     np.testing.assert_array_equal(loaded.predict_proba(X), clf.predict_proba(X))
 
 
+def test_torch_device_and_dtype_parameters_save_as_their_names(tmp_path):
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=1, device=torch.device("cpu"), dtype=torch.float64).fit(X, np.arange(60) % 2)
+    clf.save(tmp_path / "m")
+    loaded = TabFMClassifier.load(tmp_path / "m")
+    assert (loaded.device, loaded.dtype) == ("cpu", "float64")
+    np.testing.assert_array_equal(loaded.predict_proba(X), clf.predict_proba(X))
+
+
 def test_a_json_nested_past_python_s_recursion_limit_is_refused_in_one_line(copy_of):
     _write_json(copy_of, "[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match="nests too deeply"):
