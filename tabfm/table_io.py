@@ -446,7 +446,9 @@ class TableScan:
                                           infer_schema=False)
             self.columns: list[str] = self._frame.collect_schema().names()
             _check_header(self.path, self.columns)
-            self.n_rows: int = self._frame.select(pl.len()).collect().item()
+            counts = self._frame.select(pl.len(), pl.col(self.columns[-1]).is_null().sum()).collect().row(0)
+            self.n_rows: int = counts[0]
+            self._last_missing: int = counts[1]  # a short row leaves the last column missing (short_rows)
             self._frame.head(check_rows).collect()
         if self.n_rows == 0:
             raise TableError(f"{self.path}: has a header ({len(self.columns)} columns) but no rows")
@@ -462,14 +464,8 @@ class TableScan:
             raise _read_error(self.path, self._separator, e) from None
 
     def short_rows(self) -> tuple[int, int] | None:
-        """table_io.short_rows of this file (the last column's missing cells counted in one streaming pass)."""
-        import polars as pl
-
-        if self._separator is None:
-            return None
-        with self._reading():
-            missing = self._frame.select(pl.col(self.columns[-1]).is_null().sum()).collect().item()
-        return short_rows(self.path, self._separator, missing)
+        """table_io.short_rows of this file (its last column's missing cells were counted with its rows)."""
+        return short_rows(self.path, self._separator, self._last_missing)
 
     def batches(self, schema: Mapping[str, pl.DataType], rows: int) -> Iterator[pl.DataFrame]:
         """The columns named in `schema`, `rows` rows at a time (about: polars decides the exact sizes), each
