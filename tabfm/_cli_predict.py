@@ -62,7 +62,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="merged .safetensors or checkpoint folder (default: the shipped model)")
     p.add_argument("--n-estimators", type=_members, default="auto",
                    help="ensemble members: a count, or auto (default: 4, up to 16 on tables of fewer than 1,024 "
-                   "train rows)")
+                   "train rows, and more with over 10 classes)")
     p.add_argument("--local-context-rows", type=int, default=256, metavar="N",
                    help="with more train rows than N, each member reads local contexts of N nearest train rows "
                    "(0: one context of all train rows)")

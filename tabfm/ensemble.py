@@ -22,6 +22,7 @@ members' class ids (a permutation each, or with more classes than the model's he
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ MAX_AUTO_MEMBERS = 16
 AUTO_MEMBER_ROWS = 4096
 """n_estimators="auto": members x train rows stays within this, so a small table's members cost about what 4 cost
 on 1,024 train rows."""
+MAX_CODE_MEMBERS = 32
+"""Most members n_estimators="auto" gives a table of more classes than the model's head (auto_code_members)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,18 @@ def auto_members(n_train: int) -> int:
     (up to 16) as fit in the encoding a 1,024-row table's 4 members cost, since there a member is cheap and the
     average of more members is better (less spread from the draws of views, orders and subsets)."""
     return max(MIN_AUTO_MEMBERS, min(MAX_AUTO_MEMBERS, AUTO_MEMBER_ROWS // max(n_train, 1)))
+
+
+def auto_code_members(members: int, n_classes: int, n_groups: int) -> int:
+    """The members n_estimators="auto" gives a table of n_classes > n_groups classes (the model's head), from the
+    `members` auto_members gives its rows: ceil(n_classes / n_groups) times as many, at most MAX_CODE_MEMBERS.
+
+    Why: such a table is decoded from class codes (class_codes), each member's head telling n_groups groups of
+    classes apart, so a class gets about n_groups / n_classes of the evidence a member gives a class of a table
+    the head holds whole; scaling the members by that ratio gives each class about the same evidence again. Fold 0
+    of keel_letter (26 classes, 9,600 train rows) read log-loss 0.367 with 4 members, 0.310 with 8, 0.289 with 12
+    (gradient boosting 0.164); 5-fold keel vowel (11 classes) 0.201 / 0.171 / 0.133 with 4 / 8 / 16."""
+    return min(members * math.ceil(n_classes / n_groups), MAX_CODE_MEMBERS) if n_classes > n_groups else members
 
 
 def members_see_every_column(n_members: int, n_columns: int, max_features: int | None) -> bool:

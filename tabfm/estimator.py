@@ -42,7 +42,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, auto_members, class_codes, draw_members,  # noqa: F401 (class_codes re-exported)
-                            member_cells, member_width, members_see_every_column)
+                            auto_code_members, member_cells, member_width, members_see_every_column)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
@@ -447,7 +447,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         cost is linear in members. "auto": 4, and more on small tables, as many as 4,096 / train rows (at most
         16: 16 up to 256 train rows, 8 at 512), so their fit costs about what 4 members cost on 1,024 train rows;
         the fitted count is `n_members_`. Predicting many rows from a small table costs more per row than from a
-        large one then; set 4 to keep it lower.
+        large one then; set 4 to keep it lower. With more classes than the model's head (10), which are decoded
+        from class codes, "auto" gives ceil(classes / 10) times as many members, at most 32
+        (tabfm.ensemble.auto_code_members).
     numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
         Transforms of the numeric columns, cycled over the members (member m gets entry m % len).
     categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
@@ -550,7 +552,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         model = self._prepare()
         max_classes = model.config.max_classes
         n_members = self._members_for(len(y_ids))
-        if K > max_classes:
+        if K > max_classes:  # decoded from class codes: more members, and enough to tell every pair apart
+            if self.n_estimators == "auto":
+                n_members = auto_code_members(n_members, K, max_classes)
             n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
         self.n_groups_ = min(K, max_classes)

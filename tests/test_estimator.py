@@ -385,7 +385,10 @@ def test_more_classes_than_the_head():
     order = rng.permutation(len(y))
     X, y = X[order], y[order]
     clf = TabFMClassifier(n_estimators=2).fit(X[:130], y[:130])
-    assert clf.n_members_ >= 4 and clf.n_groups_ == 10
+    assert clf.n_members_ == 4 and clf.n_groups_ == 10  # the separating floor: ceil(2 ln 14 / ln 10) + 1
+    auto = TabFMClassifier(n_estimators="auto").fit(X[:130], y[:130])
+    assert auto.n_members_ == 32  # 16 members for 130 rows, twice over for 14 classes, at most 32
+    assert auto.class_codes_.shape == (32, K)
     proba = clf.predict_proba(X[130:])
     assert proba.shape == (len(y) - 130, K) and np.allclose(proba.sum(1), 1)
     assert clf.score(X[130:], y[130:]) > 3 / K  # far above chance (1/14)
