@@ -448,7 +448,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         16: 16 up to 256 train rows, 8 at 512), so their fit costs about what 4 members cost on 1,024 train rows;
         the fitted count is `n_members_`. Predicting many rows from a small table costs more per row than from a
         large one then; set 4 to keep it lower. With more classes than the model's head (10), which are decoded
-        from class codes, "auto" gives ceil(classes / 10) times as many members, at most 32
+        from class codes, "auto" gives ceil(classes / 10) times as many members, at most 16
         (tabfm.ensemble.auto_code_members).
     numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
         Transforms of the numeric columns, cycled over the members (member m gets entry m % len).

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tabfm.ensemble import (AUTO_MEMBER_ROWS, MAX_CODE_MEMBERS, ONEHOT_MAX_CATEGORIES, Member, auto_code_members,
+from tabfm.ensemble import (AUTO_MEMBER_ROWS, MAX_AUTO_MEMBERS, ONEHOT_MAX_CATEGORIES, Member, auto_code_members,
                             auto_members, draw_members, member_cells, member_width)
 from tabfm.preprocess import NUMERIC_TRANSFORMS, TablePreprocessor
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
@@ -210,6 +210,6 @@ def test_regressor_handles_extreme_target_scales_and_gives_quantiles():
 
 
 def test_auto_code_members_scale_with_the_classes_each_member_tells_apart():
-    assert [auto_code_members(4, k, 10) for k in (2, 10, 11, 20, 21, 26, 100)] == [4, 4, 8, 8, 12, 12, 32]
-    assert auto_code_members(16, 26, 10) == MAX_CODE_MEMBERS == 32
+    assert [auto_code_members(4, k, 10) for k in (2, 10, 11, 20, 21, 26, 100)] == [4, 4, 8, 8, 12, 12, 16]
+    assert auto_code_members(14, 15, 10) == MAX_AUTO_MEMBERS == 16
     assert auto_code_members(5, 11, 10) == 10

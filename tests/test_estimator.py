@@ -387,8 +387,9 @@ def test_more_classes_than_the_head():
     clf = TabFMClassifier(n_estimators=2).fit(X[:130], y[:130])
     assert clf.n_members_ == 4 and clf.n_groups_ == 10  # the separating floor: ceil(2 ln 14 / ln 10) + 1
     auto = TabFMClassifier(n_estimators="auto").fit(X[:130], y[:130])
-    assert auto.n_members_ == 32  # 16 members for 130 rows, twice over for 14 classes, at most 32
-    assert auto.class_codes_.shape == (32, K)
+    assert auto.n_members_ == 16  # 16 members for 130 rows already: at most 16
+    four = TabFMClassifier(n_estimators="auto").fit(np.tile(X[:130], (9, 1)), np.tile(y[:130], 9))
+    assert four.n_members_ == 8 == len(four.class_codes_)  # 4 members for 1,170 rows, twice over for 14 classes
     proba = clf.predict_proba(X[130:])
     assert proba.shape == (len(y) - 130, K) and np.allclose(proba.sum(1), 1)
     assert clf.score(X[130:], y[130:]) > 3 / K  # far above chance (1/14)
