@@ -25,8 +25,9 @@
 # BUDGET_S counts from this script's start (the machine's start-up comes on top). Then, on the developer's
 # machine: python benchmarks/gpu_state.py adopt FILES --apply (README, "Default checkpoint").
 # polars is not installed on the GPU machine: wheels in .whl/ (git-ignored, carried) are installed for the run.
-# The device tool sends at most 64 MiB (tracked files, about 18 MB with the state, plus what is carried): polars
-# 2.x's runtime wheel alone is 54 MB and overflows it; 1.36.1's two wheels are 45 MB. Fetch them once with
+# The device tool sends at most 64 MiB (tracked files, 20.4 MB with the state and the large suite, plus what is
+# carried): polars 2.x's runtime wheel alone is 54 MB and overflows it; 1.36.1's two wheels are 45.3 MB, which
+# leaves about 1.3 MiB (tests/test_gpu_recipe.py fails once tracked files pass 64 MiB - WHEELS_BYTES). Fetch them with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 -d .whl polars==1.36.1 polars-runtime-32==1.36.1
 # A CPU dry run (tests/test_gpu_recipe.py): DEVICE=cpu THROUGHPUT_S=0 EVAL_S=0 SET="model=tiny ..." STATE_DIR=...

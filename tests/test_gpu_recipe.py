@@ -52,6 +52,20 @@ def _tiny_run(out_dir: Path, steps: int, every: int):
                         f"train.out_dir={out_dir}"])
 
 
+WHEELS_BYTES = 45_314_209
+"""polars 1.36.1 and polars-runtime-32 1.36.1 (manylinux x86_64): what a GPU lease carries beside the tree."""
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout's list of tracked files")
+def test_tracked_files_leave_the_gpu_lease_room_for_the_polars_wheels():
+    """The device tool sends the working tree and the carried wheels, at most 64 MiB in all: a repository grown
+    past 64 MiB - WHEELS_BYTES could not run benchmarks/gpu_recipe.sh on its next lease."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tracked = sum((ROOT / name).stat().st_size for name in listed.decode().split("\0")
+                  if name and (ROOT / name).is_file())
+    assert tracked + WHEELS_BYTES < 64 * 2**20, f"tracked files {tracked / 1e6:.1f} MB + wheels overflow 64 MiB"
+
+
 def test_stage_configs_differ_only_in_rows_and_share_one_schedule():
     one, two = (load_config(ROOT / f"configs/pretrain/{n}.yaml") for n in ("gpu", "gpu_stage2"))
     a, b = to_dict(one), to_dict(two)
