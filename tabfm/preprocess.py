@@ -157,8 +157,8 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
         raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
                         "use X.toarray() to convert it to a dense numpy array")
     if hasattr(X, "iloc") and hasattr(X, "columns"):  # pandas
+        _check_unique(list(X.columns))
         names = [str(c) for c in X.columns]
-        _check_unique(names)
         return names, [X.iloc[:, i] for i in range(X.shape[1])]
     try:
         arr = np.asarray(unmask(X))
@@ -179,14 +179,19 @@ def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     return [f"x{i}" for i in range(arr.shape[1])], [arr[:, i] for i in range(arr.shape[1])]
 
 
-def _check_unique(names: list[str]) -> None:
-    """Column names are how fit's columns are found again at predict: a name used twice is ambiguous."""
-    seen: dict[str, int] = {}
-    for i, name in enumerate(names):
+def _check_unique(labels: list[Any]) -> None:
+    """Column names are how fit's columns are found again at predict, as strings: a name used twice, or two labels
+    with one string (0 and "0"), is ambiguous."""
+    seen: dict[str, tuple[int, Any]] = {}
+    for i, label in enumerate(labels):
+        name = str(label)
         if name in seen:
-            raise ValueError(f"X has two columns named {name!r} (positions {seen[name]} and {i}): rename or drop one "
-                             "so that every column name is unique")
-        seen[name] = i
+            j, first = seen[name]
+            same = type(first) is type(label) and first == label
+            named = f"named {label!r}" if same else f"{first!r} and {label!r}, both read as the name {name!r}"
+            raise ValueError(f"X has two columns {named} (positions {j} and {i}): rename or drop one so that every "
+                             "column name is unique")
+        seen[name] = (i, label)
 
 
 _UNIT_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
