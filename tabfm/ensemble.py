@@ -98,11 +98,14 @@ def auto_members(n_train: int) -> int:
     return max(MIN_AUTO_MEMBERS, min(MAX_AUTO_MEMBERS, AUTO_MEMBER_ROWS // max(n_train, 1)))
 
 
-def auto_code_members(members: int, n_classes: int, n_groups: int) -> int:
-    """The members n_estimators="auto" gives a table of n_classes > n_groups classes (the model's head), from the
-    `members` auto_members gives its rows: ceil(n_classes / n_groups) times as many, at most MAX_AUTO_MEMBERS.
+def code_members(members: int, n_classes: int, n_groups: int, auto: bool) -> int:
+    """The members of a table of n_classes classes given `members` (n_estimators, or what auto_members gives its
+    rows), where the model's head tells n_groups apart. With more classes than that, the classes are decoded from
+    class codes (class_codes), which need enough members to tell every pair of classes apart (at least
+    ceil(2 ln n_classes / ln n_groups) + 1), and with `auto` get ceil(n_classes / n_groups) times as many, at most
+    MAX_AUTO_MEMBERS.
 
-    Why: such a table is decoded from class codes (class_codes), each member's head telling n_groups groups of
+    Why the scaling: such a table is decoded from class codes (class_codes), each member's head telling n_groups groups of
     classes apart, so a class gets about n_groups / n_classes of the evidence a member gives a class of a table
     the head holds whole; scaling the members by that ratio gives each class about the same evidence again. Fold 0
     of keel_letter (26 classes, 9,600 train rows) read log-loss 0.367 with 4 members, 0.310 with 8, 0.289 with 12
@@ -110,7 +113,9 @@ def auto_code_members(members: int, n_classes: int, n_groups: int) -> int:
     movement_libras (15 classes) 0.702 / 0.647 / 0.626 with 4 / 8 / 16, and 0.650 with 28: no more past 16."""
     if n_classes <= n_groups:
         return members
-    return max(members, min(members * math.ceil(n_classes / n_groups), MAX_AUTO_MEMBERS))
+    if auto:
+        members = max(members, min(members * math.ceil(n_classes / n_groups), MAX_AUTO_MEMBERS))
+    return max(members, math.ceil(2 * math.log(n_classes) / math.log(n_groups)) + 1)
 
 
 def members_see_every_column(n_members: int, n_columns: int, max_features: int | None) -> bool:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import numbers
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, auto_members, class_codes, draw_members,  # noqa: F401 (class_codes re-exported)
-                            auto_code_members, member_cells, member_width, members_see_every_column)
+                            code_members, member_cells, member_width, members_see_every_column)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
@@ -449,7 +448,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         the fitted count is `n_members_`. Predicting many rows from a small table costs more per row than from a
         large one then; set 4 to keep it lower. With more classes than the model's head (10), which are decoded
         from class codes, "auto" gives ceil(classes / 10) times as many members, at most 16
-        (tabfm.ensemble.auto_code_members).
+        (tabfm.ensemble.code_members).
     numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
         Transforms of the numeric columns, cycled over the members (member m gets entry m % len).
     categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
@@ -551,11 +550,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             raise ValueError(f"y has 1 class ({self.classes_[0]!r}): a classifier needs at least two classes")
         model = self._prepare()
         max_classes = model.config.max_classes
-        n_members = self._members_for(len(y_ids))
-        if K > max_classes:  # decoded from class codes: more members, and enough to tell every pair apart
-            if self.n_estimators == "auto":
-                n_members = auto_code_members(n_members, K, max_classes)
-            n_members = max(n_members, math.ceil(2 * math.log(K) / math.log(max_classes)) + 1)
+        n_members = code_members(self._members_for(len(y_ids)), K, max_classes, auto=self.n_estimators == "auto")
         self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
         self.n_groups_ = min(K, max_classes)
         y_ids = y_ids.astype(np.int64)

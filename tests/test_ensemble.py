@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tabfm.ensemble import (AUTO_MEMBER_ROWS, MAX_AUTO_MEMBERS, ONEHOT_MAX_CATEGORIES, Member, auto_code_members,
+from tabfm.ensemble import (AUTO_MEMBER_ROWS, MAX_AUTO_MEMBERS, ONEHOT_MAX_CATEGORIES, Member, code_members,
                             auto_members, draw_members, member_cells, member_width)
 from tabfm.preprocess import NUMERIC_TRANSFORMS, TablePreprocessor
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
@@ -209,7 +209,13 @@ def test_regressor_handles_extreme_target_scales_and_gives_quantiles():
         TabFMRegressor(target_transforms=("log",)).fit(X, base)
 
 
-def test_auto_code_members_scale_with_the_classes_each_member_tells_apart():
-    assert [auto_code_members(4, k, 10) for k in (2, 10, 11, 20, 21, 26, 100)] == [4, 4, 8, 8, 12, 12, 16]
-    assert auto_code_members(14, 15, 10) == MAX_AUTO_MEMBERS == 16
-    assert auto_code_members(5, 11, 10) == 10
+def test_code_members_of_auto_scale_with_the_classes_each_member_tells_apart():
+    assert [code_members(4, k, 10, auto=True) for k in (2, 10, 11, 20, 21, 26, 100)] == [4, 4, 8, 8, 12, 12, 16]
+    assert code_members(14, 15, 10, auto=True) == MAX_AUTO_MEMBERS == 16
+    assert code_members(5, 11, 10, auto=True) == 10
+
+
+def test_code_members_given_a_count_keep_it_above_the_floor_that_separates_every_pair():
+    assert [code_members(2, k, 10, auto=False) for k in (2, 10, 14, 26, 100)] == [2, 2, 4, 4, 5]
+    assert code_members(6, 26, 10, auto=False) == 6
+    assert code_members(1, 1000, 10, auto=False) == 7
