@@ -187,8 +187,8 @@ def _check_unique(labels: list[Any]) -> None:
         name = str(label)
         if name in seen:
             j, first = seen[name]
-            same = type(first) is type(label) and first == label
-            named = f"named {label!r}" if same else f"{first!r} and {label!r}, both read as the name {name!r}"
+            named = (f"named {label!r}" if repr(first) == repr(label)
+                     else f"{first!r} and {label!r}, both read as the name {name!r}")
             raise ValueError(f"X has two columns {named} (positions {j} and {i}): rename or drop one so that every "
                              "column name is unique")
         seen[name] = (i, label)
