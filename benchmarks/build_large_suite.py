@@ -95,7 +95,6 @@ def build(name: str) -> dict:
     features = [c for c in df.columns if c != target]
     categorical = [c for c in features if df.schema[c] in (pl.String, pl.Categorical, pl.Enum, pl.Boolean)]
     df = df.with_columns([pl.col(c).cast(pl.String) for c in categorical])
-    y = df.get_column(target)
     if meta["task"] == "regression":
         df = df.with_columns(pl.col(target).cast(pl.Float64))
         folds_of = KFold(5, shuffle=True, random_state=0).split(np.zeros(df.height))
@@ -125,10 +124,9 @@ def build(name: str) -> dict:
                "dropped_columns": meta["dropped_columns"], "subsampled": bool(notes), "notes": notes,
                "cv": {"scheme": "KFold" if meta["task"] == "regression" else "StratifiedKFold", "n_splits": 5,
                       "shuffle": True, "random_state": 0},
-               "fold_ids": fold_ids.tolist(), "parquet_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    folds_line = json.dumps(sidecar.pop("fold_ids"))  # one line: a row per fold id would double the file
-    text = json.dumps(sidecar | {"fold_ids": None}, indent=1)
-    (OUT / f"{name}.json").write_text(text.replace('"fold_ids": null', f'"fold_ids": {folds_line}'))
+               "parquet_sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "fold_ids": None}
+    text = json.dumps(sidecar, indent=1)  # the fold ids on one line: a line per id would double the file
+    (OUT / f"{name}.json").write_text(text.replace('"fold_ids": null', f'"fold_ids": {json.dumps(fold_ids.tolist())}'))
     return sidecar
 
 

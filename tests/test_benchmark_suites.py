@@ -29,8 +29,7 @@ def test_every_suite_has_its_tables():
 def test_table_reads_as_its_sidecar_says(suite, name):
     folder = accuracy.SUITES[suite]
     meta = json.loads((folder / f"{name}.json").read_text())
-    if "parquet_sha256" in meta:
-        assert hashlib.sha256((folder / f"{name}.parquet").read_bytes()).hexdigest() == meta["parquet_sha256"]
+    assert hashlib.sha256((folder / f"{name}.parquet").read_bytes()).hexdigest() == meta["parquet_sha256"]
     table = accuracy.load_real_table(name, suite)
     assert table.X.columns == meta["feature_columns"] and meta["target"] not in table.X.columns
     assert len(table.y) == len(table.folds) == table.X.height == len(table.X_np) > 0
