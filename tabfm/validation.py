@@ -120,7 +120,7 @@ def check_class_labels(y: Any) -> np.ndarray:
     """y as a 1-D array of class labels, refused with one clear line when a label is missing (None, NaN, pd.NA,
     NaT), infinite, or of another kind than the rest (strings mixed with numbers or booleans), or when y is
     continuous."""
-    y = unmask(y)  # masked labels become missing ones, refused below
+    y = _nullable_as_numpy(unmask(y))  # masked labels become missing ones, refused below
     given = np.asarray(y, dtype=object).ravel() if isinstance(y, list | tuple) else None  # numpy would stringify
     check_real_targets(y)                                                                    # ["a", 1] silently
     y = column_or_1d(y, warn=True)
@@ -154,6 +154,21 @@ def check_class_labels(y: Any) -> np.ndarray:
                                  "beyond int64 and Decimals are such): convert them, e.g. y.astype(str)")
     check_classification_targets(y)
     return y
+
+
+def _nullable_as_numpy(y: Any) -> Any:
+    """A pandas Series or one-column DataFrame of nullable integers or booleans (Int64, UInt8, boolean) with no
+    missing value as numpy integers or booleans of the same shape; anything else as it is. column_or_1d reads them
+    as float64, so labels True/False came back from predict as 1.0/0.0 and 1/2 as 1.0/2.0. With a missing value
+    they stay as they are and are refused as missing labels."""
+    dtypes = getattr(y, "dtypes", None)
+    if not hasattr(y, "isna") or dtypes is None:
+        return y
+    dtype = dtypes if getattr(y, "ndim", 1) == 1 else (dtypes.iloc[0] if len(dtypes) == 1 else None)
+    numpy_dtype = getattr(dtype, "numpy_dtype", None)
+    if numpy_dtype is None or np.dtype(numpy_dtype).kind not in "iub" or np.asarray(y.isna()).any():
+        return y
+    return y.to_numpy(dtype=numpy_dtype)
 
 
 def check_real_targets(y: Any) -> None:

@@ -147,6 +147,23 @@ def test_other_bad_labels():
         check_class_labels([0.5, 1.5, 2.25])
 
 
+@pytest.mark.parametrize("y, expected", [
+    (pd.Series([2, 1, 2, 1], dtype="Int64"), np.array([2, 1, 2, 1], np.int64)),
+    (pd.Series([2, 1, 2, 1], dtype="UInt8"), np.array([2, 1, 2, 1], np.uint8)),
+    (pd.Series([True, False, True, False], dtype="boolean"), np.array([True, False, True, False])),
+    (pd.Series([2.0, 1.0, 2.0, 1.0], dtype="Float64"), np.array([2.0, 1.0, 2.0, 1.0])),  # floats stay floats
+])
+def test_pandas_nullable_labels_keep_their_type(y, expected):
+    """scikit-learn's column_or_1d reads nullable integers and booleans as float64: a classifier fitted on
+    True/False would predict 1.0/0.0."""
+    got = check_class_labels(y)
+    assert got.dtype == expected.dtype and np.array_equal(got, expected)
+    X = np.arange(8.0).reshape(4, 2)
+    est = TabFMClassifier(n_estimators=1, calibrate=False).fit(X, y)
+    assert est.classes_.dtype == expected.dtype
+    assert est.predict(X).dtype == expected.dtype
+
+
 @pytest.mark.parametrize("y", [["b", "a", "b"], np.array([3, 1, 3]), [True, False, True], [1.0, 2.0, 1.0],
                                pd.Series(["x", "y", "x"], dtype="category"), pl.Series(["x", "y", "x"]),
                                np.array(["a", np.str_("b"), "a"], dtype=object)])
