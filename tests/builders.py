@@ -5,12 +5,15 @@
     Holder, layer_case       one ATP layer kind under its plan, and its dense reference (test_parallel_layers,
                              test_overlap); shapes B, S, H, HEADS below
     mixed_frame              a mixed-type DataFrame for the estimators (test_estimator, test_cli_predict)
+    benchmark_module         benchmarks/<name>.py as a module (the tests of the benchmarks' CPU paths)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pandas as pd
@@ -129,13 +132,33 @@ def estimator_outputs(est, X) -> np.ndarray:
     return est.predict_proba(X) if est._task == "classification" else est.predict(X)
 
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, loaded once per process. benchmarks/ is no package, so the file is
+    loaded by path and registered as sys.modules[name], where the dataclasses it defines look their module up
+    (and where a benchmark's `import <sibling>` finds a sibling already loaded)."""
+    path = BENCHMARKS / f"{name}.py"
+    module = sys.modules.get(name)
+    if module is not None:
+        if Path(getattr(module, "__file__", "") or "").resolve() != path:
+            raise RuntimeError(f"sys.modules[{name!r}] is {module!r}, not {path}")
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def side_by_side_rows(benchmark: str, argv: list[str], txt: Path) -> list[tuple[str, float, float, float, float]]:
     """Run benchmarks/<benchmark>.py (a side-by-side benchmark of benchmarks/table_threads.py's kind) with argv,
     writing its table to txt: (setting, reference total, our total, printed speed-up, max |d|) of each row."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{benchmark}.py"
-    spec = importlib.util.spec_from_file_location(f"{benchmark}_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module(benchmark)
     bench.main([*argv, "--txt", str(txt)])
     rows = []
     for line in txt.read_text().splitlines():

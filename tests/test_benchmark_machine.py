@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from builders import benchmark_module
 
-_spec = importlib.util.spec_from_file_location("machine", Path(__file__).resolve().parent.parent / "benchmarks"
-                                               / "machine.py")
-machine = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(machine)
+machine = benchmark_module("machine")
 
 BLOCK = "processor\t: {i}\nvendor_id\t: GenuineIntel\nmodel name\t: {name}\nflags\t\t: fpu sse2 {flags}\n"
 

@@ -4,18 +4,15 @@ for, one fold id per row, five non-empty folds, every class in fold 0's train ro
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from builders import benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("accuracy", ROOT / "benchmarks" / "accuracy.py")
-accuracy = sys.modules["accuracy"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-_spec.loader.exec_module(accuracy)
+accuracy = benchmark_module("accuracy")
 
 TABLES = [(suite, name) for suite in accuracy.SUITES for name in accuracy.suite_tables(suite)]
 

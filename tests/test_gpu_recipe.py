@@ -6,7 +6,6 @@ boundary; a new default is adopted only when it scores better."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import benchmark_module
 from safetensors.torch import load_file
 
 from tabfm import checkpoint as ckpt
@@ -26,9 +26,7 @@ from tabfm.model import build_model
 from tabfm.pretrain import train
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("gpu_state", ROOT / "benchmarks" / "gpu_state.py")
-gpu_state = sys.modules["gpu_state"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-_spec.loader.exec_module(gpu_state)
+gpu_state = benchmark_module("gpu_state")
 
 TINY = ["data.batch_size=2", "data.num_workers=0", "data.table.min_rows=24", "data.table.max_rows=40",
         "data.table.max_features=5", "train.eval_every=0", "train.precision=fp32", "train.progress=false",

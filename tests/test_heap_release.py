@@ -1,13 +1,11 @@
 """tabfm.heap_release: the heap's holes go back to the operating system, its working set stays, and releasing
 changes no prediction."""
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from builders import mixed_frame
+from builders import benchmark_module, mixed_frame
 from tabfm import TabFMClassifier, TabFMRegressor, heap_release
 
 glibc = pytest.mark.skipif(heap_release.held_free_bytes() is None, reason="needs glibc on Linux")
@@ -76,10 +74,7 @@ def test_estimators_release_between_batches_and_predict_the_same(Estimator, monk
 
 
 def test_benchmark_prints_both_sides(tmp_path):
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "heap_release.py"
-    spec = importlib.util.spec_from_file_location("heap_release_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("heap_release")
     txt = tmp_path / "h.txt"
     bench.main(["--train", "80", "--chunks", "2", "--chunk-rows", "40", "--n-estimators", "1", "--n-jobs", "1",
                 "--txt", str(txt)])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import make_batch, tiny_model
+from builders import benchmark_module, make_batch, tiny_model
 from sklearn.datasets import make_classification, make_regression
 
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
@@ -165,24 +165,11 @@ def test_bfloat16_weights_are_refused_naming_precision(dtype):
         resolve_weight_dtype(torch.int64)
 
 
-def _inference_benchmark():
-    """benchmarks/inference.py as a module."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "inference.py"
-    spec = importlib.util.spec_from_file_location("inference_benchmark", path)
-    module = sys.modules["inference_benchmark"] = importlib.util.module_from_spec(spec)  # dataclasses look there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_table_reports_an_out_of_memory_run_a_crash_and_the_budget_and_goes_on(monkeypatch, capsys):
     import json
     import subprocess
 
-    bench = _inference_benchmark()
+    bench = benchmark_module("inference")
     ok = {"fit_s": 1.0, "predict_s": 0.5, "score": 0.9, "cache": 2 ** 30, "peak": 2 ** 31}
     answers = iter([
         subprocess.CompletedProcess([], 0, json.dumps({"device_name": "GPU X", "fp32": ok, "bf16": ok,

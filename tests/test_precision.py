@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import math
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import benchmark_module
 from dist_harness import get_mesh
 from safetensors.torch import load_file
 from torch import nn
@@ -284,10 +283,7 @@ def test_no_decay_parameters_do_not_shrink():
 # ---------------------------------------------------------------------------------------------------------
 
 def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_pretrain", ROOT / "benchmarks" / "gpu_pretrain.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_pretrain", bench)  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("gpu_pretrain")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the shared 2-core machine: more threads only contend
     # The benchmark's free() runs gc.collect() between measurements (12 times): over the whole test session's
