@@ -12,6 +12,14 @@ Out-of-fold residuals, not in-sample ones: in-sample residuals are smaller than 
 new rows, so the model would learn too narrow a distribution. The ridge is kept only where it predicts better
 than the mean out of fold; otherwise the base is the constant mean and the model sees the targets as before.
 
+A plane in the target's own units misses multiplicative structure (a price that grows as a power of size, a
+balance that is zero below a threshold): there a plane in the Yeo-Johnson transform of the target, mapped back,
+is the better base. Which one a table gets is decided the same way, out of fold on the same folds: the ridge on
+the transformed target is kept where its out-of-fold predictions, mapped back, have the smaller squared error in
+the target's units. The base stays a deterministic function of the row, so the model still learns what it leaves
+and nothing downstream changes (a mean of transformed predictions mapped back is biased, but the model's
+residuals correct the bias along with the rest).
+
 The classifier cannot hand the model residuals of class labels, so it blends instead: (1 - w) * the ensemble's
 probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
 rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend.
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tabfm.numeric_bounds import NumericBounds
+from tabfm.target_transform import TargetTransform
 
 N_FOLDS = 5
 MIN_ROWS = 4 * N_FOLDS
@@ -123,10 +132,15 @@ class LinearBase:
     intercept: float
     bounds: np.ndarray
     """[2] predictions are held inside the train targets' range widened by its own width on each side."""
+    target_map: TargetTransform | None = None
+    """The Yeo-Johnson map whose output the ridge predicts (its prediction is mapped back), or None: the ridge
+    predicts the target itself (and in estimators saved before the map existed)."""
 
     @classmethod
     def fit(cls, cells, u: np.ndarray, random_state: int | None = 0) -> tuple[LinearBase, np.ndarray]:
-        """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64)."""
+        """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64): the
+        constant mean, a ridge on u or a ridge on u's Yeo-Johnson transform, whichever predicts u out of fold
+        with the smallest squared error."""
         u = np.asarray(u, np.float64)
         design = LinearDesign.fit(cells)
         span = float(np.ptp(u)) if len(u) else 0.0
@@ -135,18 +149,36 @@ class LinearBase:
         if len(u) < MIN_ROWS or design.width == 0 or span == 0:
             return base, np.full(len(u), base.intercept)
         D = design(cells)
-        oof = _out_of_fold(D, u, random_state)
-        if np.mean((u - oof) ** 2) >= np.var(u):  # the ridge predicts new rows no better than the mean
+        power = TargetTransform("power").fit(u)
+        candidates = [(None, u, np.clip(_out_of_fold(D, u, random_state), *base.bounds))]
+        if power.impl_ is not None:
+            t = power.transform(u)
+            candidates.append((power, t, _mapped_back(power, _out_of_fold(D, t, random_state))))
+        errors = [np.mean((u - oof) ** 2) for _, _, oof in candidates]
+        target_map, fitted_on, oof = candidates[int(np.argmin(errors))]
+        if min(errors) >= np.var(u):  # no ridge predicts new rows better than the mean
             return base, np.full(len(u), base.intercept)
-        ridge = _ridge().fit(D, u)
+        ridge = _ridge().fit(D, fitted_on)
         base.coef, base.intercept = np.asarray(ridge.coef_, np.float64), float(ridge.intercept_)
-        return base, np.clip(oof, *base.bounds)
+        base.target_map = target_map
+        return base, oof
 
     def predict(self, cells) -> np.ndarray:
         """[n] the base's prediction of the normalised target, inside `bounds`."""
         if not self.coef.any():
             return np.full(len(cells.values), self.intercept)
-        return np.clip(self.design(cells) @ self.coef + self.intercept, *self.bounds)
+        plane = self.design(cells) @ self.coef + self.intercept
+        if self.target_map is not None:
+            return _mapped_back(self.target_map, plane)
+        return np.clip(plane, *self.bounds)
+
+
+def _mapped_back(target_map: TargetTransform, plane: np.ndarray) -> np.ndarray:
+    """A plane fitted in the transformed target's units, held inside the transformed train targets' range and
+    mapped back. Why held there: Yeo-Johnson's inverse grows like an exponential or a pole past that range (a
+    plane 15% past the largest transformed train target came back as twice the largest target)."""
+    lo, hi = target_map.transform(np.asarray(target_map.u_range_))
+    return target_map.inverse(np.clip(plane, lo, hi))
 
 
 @dataclass

@@ -6,10 +6,11 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from sklearn.linear_model import RidgeCV
 from sklearn.metrics import r2_score
 
 from tabfm import TabFMClassifier, TabFMRegressor
-from tabfm.linear_base import MIN_ROWS, LinearBase, LogisticModel
+from tabfm.linear_base import ALPHAS, MIN_ROWS, LinearBase, LogisticModel
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -25,6 +26,15 @@ def _linear_table(n: int, seed: int = 0, noise: float = 0.0, missing: float = 0.
     return X, y
 
 
+def _multiplicative_table(n: int, seed: int = 0):
+    """Three numeric columns and a target that is their plane exponentiated (a price growing as a power of its
+    sizes), with 10% multiplicative noise: linear in the target's logarithm, not in the target."""
+    rng = np.random.default_rng(seed)
+    X = pd.DataFrame(rng.normal(size=(n, 3)), columns=list("abc"))
+    y = np.exp(X.to_numpy() @ np.array([0.8, -0.5, 0.3]) + 0.1 * rng.normal(size=n))
+    return X, y
+
+
 def _cells(X_fit, X=None):
     pre = TablePreprocessor().fit(X_fit)
     return pre.transform(X_fit if X is None else X)
@@ -34,11 +44,29 @@ def test_base_recovers_a_linear_target_with_categories_and_missing_values():
     X, y = _linear_table(400, missing=0.0)
     cells = _cells(X)
     base, oof = LinearBase.fit(cells, y)
-    assert base.coef.any()
+    assert base.coef.any() and base.target_map is None  # a plane in y itself: no map beats it
     assert r2_score(y, base.predict(cells)) > 0.999
     assert r2_score(y, oof) > 0.99  # out of fold, still close: the target is exactly linear
     assert len(base.design.indicators) == 0  # no missing value left in the train rows
     assert base.design(cells).shape[1] == 4 + 3  # four standardised columns and three one-hot levels
+
+
+def test_a_multiplicative_target_gets_the_plane_of_its_transform():
+    X, y = _multiplicative_table(600)
+    train, test = slice(0, 400), slice(400, None)
+    cells = _cells(X.iloc[train])
+    base, oof = LinearBase.fit(cells, y[train])
+    assert base.target_map is not None and base.target_map.kind == "power"
+    new = _cells(X.iloc[train], X.iloc[test])
+    plain = RidgeCV(alphas=ALPHAS).fit(base.design(cells), y[train])  # what the base was before the map
+    ours, theirs = r2_score(y[test], base.predict(new)), r2_score(y[test], plain.predict(base.design(new)))
+    assert ours > theirs + 0.2 and ours > 0.85, (ours, theirs)  # 0.88 against 0.59
+    assert r2_score(y[train], oof) > 0.9  # the out-of-fold predictions are mapped back to the target's units
+    lo, hi = base.bounds
+    far = X.iloc[:3].copy()
+    far[list("abc")] = 1e6  # the map's inverse of a far plane is held inside the bounds, never NaN or inf
+    pred = base.predict(_cells(X.iloc[train], far))
+    assert np.isfinite(pred).all() and (pred >= lo).all() and (pred <= hi).all()
 
 
 def test_missing_values_get_an_indicator_and_unseen_categories_no_weight():
@@ -130,12 +158,15 @@ def test_quantiles_move_with_the_base_and_cover_the_noise():
     assert np.corrcoef(q[:, 1], y[500:])[0, 1] > 0.9
 
 
-def test_save_and_load_keep_the_base(tmp_path):
-    X, y = _linear_table(120, noise=0.3)
+@pytest.mark.parametrize("table", [_linear_table, _multiplicative_table])
+def test_save_and_load_keep_the_base(tmp_path, table):
+    X, y = table(120)
     est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X, y)
+    assert (est.linear_base_.target_map is None) == (table is _linear_table)
     est.save(tmp_path / "est")
     back = TabFMRegressor.load(tmp_path / "est")
     np.testing.assert_array_equal(back.linear_base_.coef, est.linear_base_.coef)
+    np.testing.assert_array_equal(back.linear_base_.predict(est.train_cells_), est.linear_base_.predict(est.train_cells_))
     np.testing.assert_allclose(back.predict(X.iloc[:20]), est.predict(X.iloc[:20]), rtol=1e-6, atol=1e-6)
 
 
