@@ -377,12 +377,16 @@ def _output_text(args: argparse.Namespace, tables: dict[str, RealTable], per_tab
     the baselines came from), the report, the per-table rows, the curve, the notes and the runtime."""
     est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
     shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
+    if args.report_only is not None:  # nothing was fitted: the run's parameters and machine are not in the CSV
+        made = [f"every model's scores read from {args.report_only} (its run's parameters and machine are not "
+                "stored there); seconds are that run's"]
+    else:
+        made = [f"machine: {machine.describe()}; folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit "
+                "+ predict, summed over tables and folds",
+                f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
+                f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}"]
     lines = [
-        f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(),
-        f"machine: {machine.describe()}; "
-        f"folds 0..{args.folds - 1} of the stored 5-fold split; seconds = fit + predict, summed over tables and folds",
-        f"tabfm: {shown}, checkpoint={est_params['checkpoint'] or 'shipped (tabfm/weights)'}",
-        f"baselines: {'read from ' + str(args.reuse_baselines) if args.reuse_baselines else 'fitted in this run'}",
+        f"command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}".rstrip(), *made,
         "", *report(tables, per_table, models, suites), "Per table (mean over folds)", "",
         *per_table_lines(tables, per_table, [m for m in MODELS if m in models]), "",
     ]

@@ -92,13 +92,19 @@ def held_out_rows(y: np.ndarray, n_classes: int, rng: np.random.Generator) -> np
     return held
 
 
+def blend_losses(proba_at: Callable[[float], np.ndarray], linear: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray) -> np.ndarray:
+    """[len(TEMPERATURES), len(weights)] mean log-loss of the held rows' true classes y [h] under (1 - weight) x
+    proba_at(temperature) + weight x linear (both [h, K])."""
+    truth = np.arange(len(y)), y
+    return np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
+                      for w in weights] for proba in (proba_at(t) for t in TEMPERATURES)])
+
+
 def fit_temperature_and_blend(proba_at: Callable[[float], np.ndarray], linear: np.ndarray, y: np.ndarray,
                               weights: np.ndarray) -> tuple[float, float]:
-    """(temperature, weight) of TEMPERATURES x `weights` that minimise the mean log-loss of the held rows' true
-    classes y [h] under (1 - weight) x proba_at(temperature) + weight x linear (both [h, K]); ties go to the
-    lowest temperature, then the lowest weight."""
-    truth = np.arange(len(y)), y
-    losses = np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
-                        for w in weights] for proba in (proba_at(t) for t in TEMPERATURES)])
+    """(temperature, weight) of TEMPERATURES x `weights` that minimise blend_losses; ties go to the lowest
+    temperature, then the lowest weight."""
+    losses = blend_losses(proba_at, linear, y, weights)
     t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
     return float(TEMPERATURES[t]), float(weights[w])

@@ -12,17 +12,18 @@ Out-of-fold residuals, not in-sample ones: in-sample residuals are smaller than 
 new rows, so the model would learn too narrow a distribution. The ridge is kept only where it predicts better
 than the mean out of fold; otherwise the base is the constant mean and the model sees the targets as before.
 
-A plane in the target's own units misses multiplicative structure (a price that grows as a power of size, a
-balance that is zero below a threshold): there a plane in the Yeo-Johnson transform of the target, mapped back,
-is the better base. Which one a table gets is decided the same way, out of fold on the same folds: the ridge on
-the transformed target is kept where its out-of-fold predictions, mapped back, have the smaller squared error in
-the target's units. The base stays a deterministic function of the row, so the model still learns what it leaves
-and nothing downstream changes (a mean of transformed predictions mapped back is biased, but the model's
-residuals correct the bias along with the rest).
+A plane misses curved and multiplicative structure (a price that grows as a power of size, a strength that
+saturates with age): there a plane in the Yeo-Johnson transforms of the numeric columns, of the target, or of
+both (mapped back) is the better base. Which of the four a table gets is decided the same way, out of fold on the
+same folds: the one whose out-of-fold predictions, in the target's units, have the smallest squared error. The
+base stays a deterministic function of the row, so the model still learns what it leaves and nothing downstream
+changes (a mean of transformed predictions mapped back is biased, but the model's residuals correct the bias
+along with the rest).
 
 The classifier cannot hand the model residuals of class labels, so it blends instead: (1 - w) * the ensemble's
 probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
-rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend.
+rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend. Whether the
+logistic regression sees the numeric columns as they are or Yeo-Johnson transformed is chosen there too.
 
 Everything here is float64 numpy over the preprocessed cells (tabfm.preprocess.Cells), in the normalised target
 units of tabfm.target_transform.TargetScale, and the fitted base is a handful of arrays (saved as such).
@@ -30,6 +31,7 @@ units of tabfm.target_transform.TargetScale, and the fitted base is a handful of
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ import numpy as np
 
 from tabfm.numeric_bounds import NumericBounds
 from tabfm.target_transform import TargetTransform
+from tabfm.yeo_johnson import YeoJohnson
 
 N_FOLDS = 5
 MIN_ROWS = 4 * N_FOLDS
@@ -79,6 +82,9 @@ class LinearDesign:
     """[Cn] whether each column's values past its inliers are squeezed (tabfm.numeric_bounds: `means` and
     `scales` are then its inliers' statistics, so one extreme cell does not flatten the column for the linear
     model either); None in estimators saved before, which standardise by the plain statistics."""
+    numeric_map: YeoJohnson | None = None
+    """The Yeo-Johnson transform of the standardised numeric columns (fitted on the train rows' values, after
+    the hold inside [lows, highs]), or None: the columns as they are."""
 
     @classmethod
     def fit(cls, cells) -> LinearDesign:
@@ -100,6 +106,14 @@ class LinearDesign:
                    lows=lows, highs=highs, indicators=np.flatnonzero((~observed).any(0)), categorical=categorical,
                    n_cats=cells.n_cats[categorical].astype(np.int64), squeeze=bounds.squeeze)
 
+    def with_numeric_map(self, cells) -> LinearDesign:
+        """This design with its numeric columns Yeo-Johnson transformed, the transform fitted on `cells` (the
+        train rows); itself where there is no numeric column."""
+        if not len(self.numeric):
+            return self
+        standard = self(cells)[:, :len(self.numeric)]
+        return dataclasses.replace(self, numeric_map=YeoJohnson().fit(standard))
+
     @property
     def width(self) -> int:
         return len(self.numeric) + len(self.indicators) + int(self.n_cats.sum())
@@ -115,6 +129,8 @@ class LinearDesign:
             else:
                 standard = NumericBounds(self.means, self.scales, self.squeeze).apply(filled)
         standard = np.clip(np.nan_to_num(standard, nan=0.0, posinf=np.inf, neginf=-np.inf), self.lows, self.highs)
+        if self.numeric_map is not None:
+            standard = self.numeric_map.transform(standard)
         parts = [standard, missing[:, self.indicators].astype(np.float64)]
         for c, k in zip(self.categorical, self.n_cats, strict=True):
             code = cells.codes[:, c]
@@ -139,8 +155,9 @@ class LinearBase:
     @classmethod
     def fit(cls, cells, u: np.ndarray, random_state: int | None = 0) -> tuple[LinearBase, np.ndarray]:
         """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64): the
-        constant mean, a ridge on u or a ridge on u's Yeo-Johnson transform, whichever predicts u out of fold
-        with the smallest squared error."""
+        constant mean, or a ridge on the design's columns as they are or Yeo-Johnson transformed, predicting u or
+        u's Yeo-Johnson transform (mapped back), whichever predicts u out of fold with the smallest squared error
+        (the first of equals, in that order)."""
         u = np.asarray(u, np.float64)
         design = LinearDesign.fit(cells)
         span = float(np.ptp(u)) if len(u) else 0.0
@@ -148,19 +165,22 @@ class LinearBase:
                    np.array([u.min() - span, u.max() + span]) if len(u) else np.zeros(2))
         if len(u) < MIN_ROWS or design.width == 0 or span == 0:
             return base, np.full(len(u), base.intercept)
-        D = design(cells)
         power = TargetTransform("power").fit(u)
-        candidates = [(None, u, np.clip(_out_of_fold(D, u, random_state), *base.bounds))]
-        if power.impl_ is not None:
-            t = power.transform(u)
-            candidates.append((power, t, _mapped_back(power, _out_of_fold(D, t, random_state))))
-        errors = [np.mean((u - oof) ** 2) for _, _, oof in candidates]
-        target_map, fitted_on, oof = candidates[int(np.argmin(errors))]
-        if min(errors) >= np.var(u):  # no ridge predicts new rows better than the mean
+        targets = [(None, u)] + ([(power, power.transform(u))] if power.impl_ is not None else [])
+        designs = [design] + ([design.with_numeric_map(cells)] if len(design.numeric) else [])
+        candidates = []
+        for d in designs:
+            D = d(cells)
+            oofs = _out_of_fold(D, np.column_stack([t for _, t in targets]), random_state)  # both targets at once
+            for (target_map, fitted_on), oof in zip(targets, oofs.T, strict=True):
+                oof = np.clip(oof, *base.bounds) if target_map is None else _mapped_back(target_map, oof)
+                candidates.append((float(np.mean((u - oof) ** 2)), d, D, target_map, fitted_on, oof))
+        error, design, D, target_map, fitted_on, oof = min(candidates, key=lambda c: c[0])
+        if error >= np.var(u):  # no ridge predicts new rows better than the mean
             return base, np.full(len(u), base.intercept)
         ridge = _ridge().fit(D, fitted_on)
+        base.design, base.target_map = design, target_map
         base.coef, base.intercept = np.asarray(ridge.coef_, np.float64), float(ridge.intercept_)
-        base.target_map = target_map
         return base, oof
 
     def predict(self, cells) -> np.ndarray:
@@ -197,13 +217,16 @@ class LogisticModel:
     n_classes: int
 
     @classmethod
-    def fit(cls, cells, y: np.ndarray, n_classes: int) -> LogisticModel:
-        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design. A design
+    def fit(cls, cells, y: np.ndarray, n_classes: int, numeric_map: bool = False) -> LogisticModel:
+        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design (with
+        numeric_map, its numeric columns Yeo-Johnson transformed: LinearDesign.with_numeric_map). A design
         without columns (every column categorical with more than MAX_ONEHOT categories) gives the class
         frequencies, what a logistic regression's unpenalised intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 
         design = LinearDesign.fit(cells)
+        if numeric_map:
+            design = design.with_numeric_map(cells)
         if design.width == 0:
             classes, counts = np.unique(y, return_counts=True)
             log_prior = np.log(counts / counts.sum())
@@ -228,14 +251,17 @@ class LogisticModel:
 
 
 def _ridge():
+    """RidgeCV over ALPHAS, its penalty chosen per target column where given several (the same fits as one
+    target at a time, from one decomposition of the design)."""
     from sklearn.linear_model import RidgeCV
 
-    return RidgeCV(alphas=ALPHAS)
+    return RidgeCV(alphas=ALPHAS, alpha_per_target=True)
 
 
 def _out_of_fold(design: np.ndarray, u: np.ndarray, random_state: int | None) -> np.ndarray:
-    """Each row's prediction by a ridge fitted without its fold. The estimators take any non-negative seed;
-    KFold's RandomState takes those below 2**32, so larger ones are folded into that range."""
+    """Each row's prediction [n] (or [n, T] of targets u [n, T]) by a ridge fitted without its fold. The
+    estimators take any non-negative seed; KFold's RandomState takes those below 2**32, so larger ones are folded
+    into that range."""
     from sklearn.model_selection import KFold, cross_val_predict
 
     seed = None if random_state is None else random_state % 2**32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,3 +37,16 @@ def test_table_reads_as_its_sidecar_says(suite, name):
         assert len(np.unique(table.y[table.folds != 0])) == len(np.unique(table.y))
     else:
         assert np.isfinite(table.y).all() and table.y.std() > 0
+
+
+def test_report_only_reads_every_score_and_says_so(monkeypatch, capsys):
+    """--report-only fits nothing, so its header names the CSV, not parameters or a machine it cannot know."""
+    csv = ROOT / "benchmarks" / "results" / "accuracy_linear_maps.csv"
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--report-only", str(csv), "--folds", "5",
+                                      "--tables", "skl_iris,skl_diabetes"])
+    accuracy.main()
+    out = capsys.readouterr().out
+    assert f"every model's scores read from {csv}" in out
+    assert "fitted in this run" not in out and "\ntabfm: " not in out and "\nmachine: " not in out
+    iris = [line for line in out.splitlines() if line.startswith("| skl_iris |") and "| roc_auc |" in line]
+    assert len(iris) == 1 and "| 0.9980 |" in iris[0]  # tabfm's 5-fold ROC-AUC as the CSV holds it (0.99800)
