@@ -4,10 +4,12 @@ A member is a view of the preprocessed table (tabfm.preprocess.Cells), so the me
 pretrained model is not invariant to and their average is better than any one of them:
 
     columns      the kept columns in the member's own order (member 0: the original order); when a table has
-                 more columns than `max_features`, each member sees a random subset of that many, chosen so
-                 that every column is seen by some member where the members allow it; where they cannot (more
-                 columns than members x max_features), the subsets are dealt from the columns that explain most
-                 of the train targets on their own (`relevance`), so no informative column is left out by chance
+                 more columns than `max_features`, each member sees a subset of that many: the columns that
+                 explain most of the train targets on their own (`relevance`; CORE_SHARE of the subset) in
+                 every member, and the rest of it dealt at random from the other columns, so that every column
+                 is seen by some member where the members allow it; where they cannot (more columns than
+                 members x max_features), from the most relevant of them, so no informative column is left out
+                 by chance
     numeric      the transform of the numeric columns: "none" (the raw values; the model standardises each
                  column with its train-row mean and deviation), "robust", "quantile" or "power" (see
                  tabfm.preprocess.NUMERIC_TRANSFORMS)
@@ -37,6 +39,11 @@ MIN_AUTO_MEMBERS = 4
 """Members n_estimators="auto" gives a table of AUTO_MEMBER_ROWS / 4 train rows or more."""
 MAX_AUTO_MEMBERS = 16
 """Most members n_estimators="auto" gives a small table (beyond this the average hardly moves)."""
+CORE_SHARE = 0.5
+"""Share of a member's column subset that holds the table's most relevant columns (those that explain any of the
+targets alone), the same in every member. Why: dealt at random, a column that decides the target (the hour of a
+delivery among 27 item counts) is missing from about one member in five, whose predictions are then poor for
+every row; the other half of the subset keeps the members different and every column seen."""
 AUTO_MEMBER_ROWS = 4096
 """n_estimators="auto": members x train rows stays within this, so a small table's members cost about what 4 cost
 on 1,024 train rows."""
@@ -129,15 +136,23 @@ def draw_members(n_members: int, n_columns: int, numeric: Sequence[str], categor
                  relevance: np.ndarray | None = None) -> list[Member]:
     """The ensemble's members: column orders (or subsets), and the transforms cycled in the given order.
     relevance: [n_columns] how much each column tells of the targets alone (tabfm.local_context.column_relevance),
-    read only when the members cannot see every column (more than n_members x max_features): the subsets are
-    then dealt from the n_members x max_features most relevant columns."""
+    read only when members see subsets (more than max_features columns): the CORE_SHARE x max_features most
+    relevant columns with any relevance are in every member's subset, the rest of it dealt from the other
+    columns; where the members cannot see every column (more than n_members x max_features), only the
+    n_members x max_features most relevant columns are used."""
     numeric = _cycle(numeric, NUMERIC_TRANSFORMS, "numeric_transforms")
     categorical = _cycle(categorical, CATEGORICAL_VIEWS, "categorical_views")
     if max_features is not None and n_columns > max_features:
-        pool = np.arange(n_columns)
-        if relevance is not None and not members_see_every_column(n_members, n_columns, max_features):
-            pool = np.sort(np.argsort(-np.asarray(relevance), kind="stable")[:n_members * max_features])
-        columns = [pool[c] for c in _column_subsets(n_members, len(pool), max_features, rng)]
+        pool, core = np.arange(n_columns), np.empty(0, np.int64)
+        if relevance is not None:
+            relevance = np.asarray(relevance, np.float64)
+            ranked = np.argsort(-relevance, kind="stable")
+            if not members_see_every_column(n_members, n_columns, max_features):
+                pool = np.sort(ranked[:n_members * max_features])
+            core = np.sort([c for c in ranked[:int(CORE_SHARE * max_features)] if relevance[c] > 0]).astype(np.int64)
+        rest = np.setdiff1d(pool, core)
+        subsets = [rest[c] for c in _column_subsets(n_members, len(rest), max_features - len(core), rng)]
+        columns = [rng.permutation(np.concatenate([core, c])) for c in subsets] if len(core) else subsets
     else:
         columns = [np.arange(n_columns)] + [rng.permutation(n_columns) for _ in range(n_members - 1)]
     return [Member(columns[m], numeric[m % len(numeric)], categorical[m % len(categorical)])

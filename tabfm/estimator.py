@@ -41,7 +41,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (Member, auto_members, class_codes, draw_members,  # noqa: F401 (class_codes re-exported)
-                            code_members, member_cells, member_width, members_see_every_column)
+                            code_members, member_cells, member_width)
 from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
@@ -163,8 +163,8 @@ class _TabFMBase(BaseEstimator):
         self.n_members_ = n_members
         y = self._context_targets(cells, y)
         rng = np.random.default_rng(self.seed_)
-        relevance = (None if members_see_every_column(n_members, C, self.max_features)
-                     else column_relevance(cells, self._relevance_targets(y)))
+        relevance = (column_relevance(cells, self._relevance_targets(y))
+                     if self.max_features is not None and C > self.max_features else None)
         self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
                                      self.max_features, rng, relevance)
         self._draw_contexts(cells, y, rng, relevance=relevance, held=held, held_members=held_members)

@@ -47,16 +47,23 @@ def test_draw_members_orders_subsets_and_cycles():
         draw_members(2, 3, ("none",), (), None, rng)
 
 
-def test_members_of_a_table_wider_than_they_can_see_take_the_most_relevant_columns():
+def test_every_subset_holds_the_most_relevant_columns_and_every_column_is_seen():
     rng = np.random.default_rng(0)
     relevance = rng.random(30)
+    top = np.argsort(-relevance)
     members = draw_members(2, 30, ("none",), ("embed",), 4, rng, relevance)
-    seen = np.concatenate([m.columns for m in members])
-    assert sorted(seen) == sorted(np.argsort(-relevance)[:8])  # the 8 most relevant, each once
-    # where the members can see every column, relevance changes nothing: the same draw as without it
-    narrow = draw_members(3, 10, ("none",), ("embed",), 4, np.random.default_rng(1), rng.random(10))
-    plain = draw_members(3, 10, ("none",), ("embed",), 4, np.random.default_rng(1))
-    assert all(np.array_equal(a.columns, b.columns) for a, b in zip(narrow, plain, strict=True))
+    for m in members:  # the core (CORE_SHARE x 4 = 2 columns) in each; 2 members cannot see 30 columns: the top 8
+        assert len(m.columns) == 4 and set(top[:2]) <= set(m.columns) <= set(top[:8])
+    # three informative columns of 20, seen whole by 4 members of 8: those three in every member (fewer than the
+    # core's 4 places: a column that explains nothing is no core column), every other column in some member
+    relevance = np.r_[np.zeros(10), 0.9, 0.8, 0.7, np.zeros(7)]
+    members = draw_members(4, 20, ("none",), ("embed",), 8, np.random.default_rng(1), relevance)
+    assert all(len(m.columns) == 8 and {10, 11, 12} <= set(m.columns) for m in members)
+    assert set(np.concatenate([m.columns for m in members])) == set(range(20))
+    # no column informative: no core, the same draw as without relevance
+    flat = draw_members(4, 20, ("none",), ("embed",), 8, np.random.default_rng(1), np.zeros(20))
+    plain = draw_members(4, 20, ("none",), ("embed",), 8, np.random.default_rng(1))
+    assert all(np.array_equal(a.columns, b.columns) for a, b in zip(flat, plain, strict=True))
 
 
 def test_member_cells_views():
