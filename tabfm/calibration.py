@@ -68,6 +68,31 @@ def correction_weight(correction: np.ndarray, residual: np.ndarray) -> float:
     return 1.0 if gap2 == 0 else 1.0 - (1.0 - w) * max(0.0, 1.0 - se2 / gap2)
 
 
+SPREAD_LEVELS = np.array([0.05, 0.1, 0.25, 0.75, 0.9, 0.95])
+"""The quantile levels whose pinball loss the regressor's spread factor is fitted to (both tails and the body)."""
+SPREADS = np.exp(np.linspace(np.log(0.5), np.log(2.0), 41))
+"""Spread factors tried (1 among them): the predictive distribution is widened or narrowed about its mean."""
+
+
+def spread_factor(mean: np.ndarray, quantiles: np.ndarray, target: np.ndarray) -> float:
+    """The factor s of SPREADS whose distributions, each scaled by s about its mean, give the held rows the
+    smallest pinball loss at SPREAD_LEVELS: mean [h], quantiles [h, len(SPREAD_LEVELS)] of each held row's
+    predictive distribution (located as predict locates it), target [h] its true value, all in one unit.
+
+    Why: the pretrained model's distributions are about right on average but not per table (the 80% interval
+    held 74-88% of the test targets across the 14 regression tables); the pinball loss is a proper score of
+    quantiles, so its minimum is the factor that makes them right for the table, not one that games a single
+    level's coverage. Ties go to the factor nearest 1."""
+    gap = target[:, None] - mean[:, None]                                      # [h, 1]
+    spread = quantiles - mean[:, None]                                         # [h, L]
+    losses = []
+    for s in SPREADS:
+        miss = gap - s * spread
+        losses.append(np.mean(np.maximum(SPREAD_LEVELS * miss, (SPREAD_LEVELS - 1) * miss)))
+    order = np.argsort(np.abs(np.log(SPREADS)), kind="stable")                 # 1 first, then outwards
+    return float(SPREADS[order[int(np.argmin(np.asarray(losses)[order]))]])
+
+
 BLEND_WEIGHTS = np.linspace(0.0, 0.9, 10)
 """The classifier's logistic-regression weights tried at calibration; below 1, so the ensemble always counts
 and a class the logistic regression never saw keeps some probability."""

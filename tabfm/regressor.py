@@ -5,7 +5,8 @@ learns its out-of-fold residuals), the residuals are transformed per member (tab
 member's binned distribution is mapped back to target units exactly, the ridge's prediction added. With local
 contexts and 4+ members, the weight of the model's correction over the ridge is fitted on held-out train rows
 (tabfm.calibration.correction_weight): where the residuals are noise, the model's neighbours-driven corrections
-are too, and the weight takes them back towards the ridge.
+are too, and the weight takes them back towards the ridge. The same held rows fit how wide the distributions are
+(tabfm.calibration.spread_factor), which the quantiles read.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         Weigh the model's correction over the ridge (over the targets' centre without linear_base) by a w in
         [0, 1] fitted on held-out train rows (20%, at most 1,000), predicted by the first two members, whose
         local contexts leave them out at no extra cost: the distribution's location moves to
-        ridge + w x the model's correction, its spread is kept. Only with local contexts and at least 4
-        members; otherwise w = 1.
+        ridge + w x the model's correction. The same rows fit a spread factor s in [0.5, 2]: each distribution
+        is widened or narrowed by s about its mean, s minimising the rows' pinball loss at six quantile levels
+        (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). Only with local
+        contexts and at least 4 members; otherwise w = s = 1.
     """
 
     _task = "regression"
@@ -111,11 +114,18 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         n_members = self._members_for(len(y))
         held, held_members = self._held_rows(len(y), n_members)
         self._fit_common(X, y, n_members, model, held=held, held_members=held_members)
-        self.correction_weight_ = 1.0
+        self.correction_weight_, self.spread_ = 1.0, 1.0
         if held_members:
-            correction = self._cell_outputs(self.train_cells_.take(held), self._mean_of, members=held_members)
-            self.correction_weight_ = calibration.correction_weight(
-                (correction - self.target_scale_.center) / self.target_scale_.scale, self.y_train_[held])
+            levels = calibration.SPREAD_LEVELS
+            out = self._cell_outputs(self.train_cells_.take(held), lambda probs, units: np.column_stack(
+                [self._mean_of(probs, units), self._quantiles_of(probs, units, levels)]), members=held_members)
+            mean, quantiles = out[:, 0], out[:, 1:]
+            scale = self.target_scale_
+            self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
+                                                                    self.y_train_[held])
+            shift = self._correction(mean)[:, None]
+            self.spread_ = calibration.spread_factor(mean + shift[:, 0], quantiles + shift,
+                                                     scale.inverse(self.y_train_[held]))
         return self
 
     def _held_rows(self, n: int, n_members: int) -> tuple[np.ndarray | None, int]:
@@ -195,6 +205,10 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                 edges_y.append(np.maximum.accumulate(np.clip(to_y(sub_edges(edges)), -top, top)))
         self.bin_points_y_, self.bin_edges_y_ = np.stack(points), np.stack(edges_y)
 
+    def _quantiles_of(self, probs: np.ndarray, units: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The quantiles [n, len(q)] of the members' mixture (bin probabilities [M, n, nb], contexts [M, n])."""
+        return mixture_quantiles(list(probs), [self.bin_edges_y_[u] for u in units], q)
+
     def _mean_of(self, probs: np.ndarray, units: np.ndarray) -> np.ndarray:
         """The ensemble's mean [n] from the members' bin probabilities [M, n, nb] and their rows' contexts [M, n]."""
         M = len(probs)  # divided before the sum, as in mapped_mean: no overflow for targets near 1e308
@@ -210,7 +224,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     @_threaded
     def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
         """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
-        members', moved by the correction weight as predict's mean is), in target units."""
+        members', scaled about its mean by the spread factor and moved by the correction weight as predict's
+        mean is), in target units."""
         given = np.atleast_1d(np.asarray(quantiles))
         q = given.astype(np.float64) if given.dtype.kind in "iuf" else np.full(1, np.nan)  # "0.5" is no number
         if q.ndim != 1 or not len(q) or not ((q > 0) & (q < 1)).all():
@@ -218,6 +233,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                              f"{quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         cells = self._cells_of(X)
-        out = self._cell_outputs(cells, lambda probs, units: np.column_stack([mixture_quantiles(
-            list(probs), [self.bin_edges_y_[u] for u in units], q), self._mean_of(probs, units)]))
-        return out[:, :-1] + (self._correction(out[:, -1]) + self._offset(cells))[:, None]
+        out = self._cell_outputs(cells, lambda probs, units: np.column_stack([
+            self._quantiles_of(probs, units, q), self._mean_of(probs, units)]))
+        mean = out[:, -1:]
+        spread = getattr(self, "spread_", 1.0)  # 1 in estimators saved before the factor existed
+        quantiles = out[:, :-1] if spread == 1.0 else mean + spread * (out[:, :-1] - mean)
+        return quantiles + (self._correction(mean[:, 0]) + self._offset(cells))[:, None]

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tabfm.calibration import (CALIBRATION_ROWS, TEMPERATURES, calibration_members, correction_weight,
-                               fit_temperature_and_blend, held_members, held_out_rows, held_out_targets)
+from scipy.stats import norm
+
+from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, calibration_members,
+                               correction_weight, fit_temperature_and_blend, held_members, held_out_rows,
+                               held_out_targets, spread_factor)
 
 
 def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
@@ -73,3 +76,17 @@ def test_the_correction_weight_is_least_squares_clipped_to_0_1_and_pulled_to_1_b
 def test_larger_ensembles_calibrate_on_a_quarter_of_their_members():
     assert [calibration_members(n) for n in (1, 2, 3, 4, 8, 11, 12, 16)] == [1, 2, 2, 2, 2, 2, 3, 4]
     assert [held_members(n) for n in (1, 2, 3, 4, 8, 12, 16)] == [0, 0, 0, 2, 2, 3, 4]  # at most half of them
+
+
+def test_the_spread_factor_is_the_one_that_makes_the_quantiles_right():
+    """Each row predicted as N(its mean, 1): targets spread 1.5 (or 0.7) around the means want the distributions
+    widened (narrowed) by about that factor; spread 1 keeps them; past the grid, its end."""
+    rng = np.random.default_rng(0)
+    mean = rng.normal(size=4000) * 3
+    quantiles = mean[:, None] + norm.ppf(SPREAD_LEVELS)[None]
+    for sigma in (0.7, 1.0, 1.5):
+        s = spread_factor(mean, quantiles, mean + sigma * rng.normal(size=4000))
+        assert abs(np.log(s / sigma)) < 0.05, (sigma, s)
+    assert spread_factor(mean, quantiles, mean + 5 * rng.normal(size=4000)) == SPREADS.max() == 2.0
+    assert spread_factor(mean, quantiles, mean) == SPREADS.min() == 0.5
+    assert spread_factor(mean, np.repeat(mean[:, None], len(SPREAD_LEVELS), 1), mean + 1.0) == 1.0  # no spread: tie

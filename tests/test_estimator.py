@@ -358,6 +358,33 @@ def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw
     assert TabFMRegressor(**kwargs).fit(X[:600], signal[:600]).correction_weight_ > 0.8
 
 
+def test_the_regressor_scales_its_distributions_by_the_spread_its_held_rows_ask_for(tmp_path):
+    """The held rows also fit the spread factor: predict_quantiles scales each distribution about its mean by it
+    (q - predict = s x the unscaled q - predict, exactly), predict is unchanged, save and load keep it, and the
+    test rows' 80% interval holds close to 80% of them; calibrate=False keeps s = 1."""
+    rng = np.random.default_rng(6)
+    X = rng.normal(size=(1200, 4))
+    y = X[:, 0] + np.sin(3 * X[:, 1]) + 0.5 * rng.normal(size=1200)
+    reg = TabFMRegressor(n_estimators=4, local_context_rows=64, n_jobs=1).fit(X[:900], y[:900])
+    assert reg.spread_ in calibration.SPREADS
+    mean, q = reg.predict(X[900:]), reg.predict_quantiles(X[900:], [0.1, 0.5, 0.9])
+    spread = reg.spread_
+    reg.spread_ = 1.0
+    np.testing.assert_array_equal(reg.predict(X[900:]), mean)
+    np.testing.assert_allclose(q - mean[:, None], spread * (reg.predict_quantiles(X[900:], [0.1, 0.5, 0.9])
+                                                            - mean[:, None]), rtol=1e-9, atol=1e-9)
+    cover = np.mean((y[900:] >= q[:, 0]) & (y[900:] <= q[:, 2]))
+    assert 0.7 < cover < 0.9, cover
+    reg.spread_ = spread
+    reg.save(tmp_path / "reg")
+    assert TabFMRegressor.load(tmp_path / "reg").spread_ == spread
+    del reg.spread_  # saved before the factor existed: 1
+    np.testing.assert_allclose(reg.predict_quantiles(X[900:], [0.1, 0.5, 0.9]) - mean[:, None],
+                               (q - mean[:, None]) / spread, rtol=1e-9, atol=1e-9)
+    assert TabFMRegressor(calibrate=False, n_estimators=4, local_context_rows=64, n_jobs=1).fit(
+        X[:900], y[:900]).spread_ == 1.0
+
+
 def test_auto_members_fit_more_members_on_small_tables(tmp_path):
     """n_estimators="auto" (the default) fits tabfm.ensemble.auto_members(train rows) members: exactly the fit
     that count gives when asked for; the parameter stays "auto" (clone, get_params) and a saved estimator keeps
