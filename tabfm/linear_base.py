@@ -13,9 +13,11 @@ new rows, so the model would learn too narrow a distribution. The ridge is kept 
 than the mean out of fold; otherwise the base is the constant mean and the model sees the targets as before.
 
 A plane misses curved and multiplicative structure (a price that grows as a power of size, a strength that
-saturates with age): there a plane in the Yeo-Johnson transforms of the numeric columns, of the target, or of
-both (mapped back) is the better base. Which of the four a table gets is decided the same way, out of fold on the
-same folds: the one whose out-of-fold predictions, in the target's units, have the smallest squared error. The
+saturates with age, a count that peaks at two hours of the day): there a plane in the Yeo-Johnson transforms
+of the numeric columns or in hinge columns of them (a piecewise-linear curve of each column), predicting the
+target or its Yeo-Johnson transform (mapped back), is the better base. Which of the six a table gets is decided
+the same way, out of fold on the same folds: the one whose out-of-fold predictions, in the target's units, have
+the smallest squared error. The
 base stays a deterministic function of the row, so the model still learns what it leaves and nothing downstream
 changes (a mean of transformed predictions mapped back is biased, but the model's residuals correct the bias
 along with the rest).
@@ -46,6 +48,11 @@ MIN_ROWS = 4 * N_FOLDS
 """Fewer train rows than this: no ridge, the base is the mean (too few rows for out-of-fold residuals)."""
 MAX_ONEHOT = 100
 """Categorical columns of more categories than this are left to the model (no one-hot columns in the ridge)."""
+HINGE_KNOTS = 7
+"""Knots per numeric column of the hinge design (LinearDesign.with_hinges), at the train values' eighths."""
+HINGE_CELLS = 20_000_000
+"""Largest rows x columns of a hinge design the base tries (its ridge is then the base's largest cost; past this
+the hinge candidate is skipped)."""
 ALPHAS = np.logspace(-3, 3, 13)
 """The ridge penalties RidgeCV chooses from (on standardised columns)."""
 
@@ -85,6 +92,10 @@ class LinearDesign:
     numeric_map: YeoJohnson | None = None
     """The Yeo-Johnson transform of the standardised numeric columns (fitted on the train rows' values, after
     the hold inside [lows, highs]), or None: the columns as they are."""
+    hinges: np.ndarray | None = None
+    """[Cn, HINGE_KNOTS] knots of each standardised numeric column (NaN: none there), or None. Each knot k adds
+    the column max(0, x - k): a ridge on them fits a piecewise-linear curve of each column (an additive model),
+    e.g. a count that peaks at two hours of the day, where a plane fits one slope."""
 
     @classmethod
     def fit(cls, cells) -> LinearDesign:
@@ -114,9 +125,19 @@ class LinearDesign:
         standard = self(cells)[:, :len(self.numeric)]
         return dataclasses.replace(self, numeric_map=YeoJohnson().fit(standard))
 
+    def with_hinges(self, cells) -> LinearDesign:
+        """This design with hinge columns at the eighths of each numeric column's train values (`cells`: the
+        train rows); a knot that repeats a lower one or reaches the column's largest value adds nothing (NaN)."""
+        standard = self(cells)[:, :len(self.numeric)]
+        knots = np.quantile(standard, np.arange(1, HINGE_KNOTS + 1) / (HINGE_KNOTS + 1), axis=0).T.copy()
+        for j, row in enumerate(knots):
+            row[np.r_[False, np.diff(row) <= 0] | (row >= self.highs[j])] = np.nan
+        return dataclasses.replace(self, hinges=knots.reshape(len(self.numeric), HINGE_KNOTS))
+
     @property
     def width(self) -> int:
-        return len(self.numeric) + len(self.indicators) + int(self.n_cats.sum())
+        hinges = 0 if self.hinges is None else self.hinges.size
+        return len(self.numeric) + hinges + len(self.indicators) + int(self.n_cats.sum())
 
     def __call__(self, cells) -> np.ndarray:
         """[n, width] float64 design matrix of the rows of `cells`."""
@@ -131,7 +152,11 @@ class LinearDesign:
         standard = np.clip(np.nan_to_num(standard, nan=0.0, posinf=np.inf, neginf=-np.inf), self.lows, self.highs)
         if self.numeric_map is not None:
             standard = self.numeric_map.transform(standard)
-        parts = [standard, missing[:, self.indicators].astype(np.float64)]
+        parts = [standard]
+        if self.hinges is not None:
+            hinge = np.maximum(standard[:, :, None] - self.hinges[None], 0.0)  # [n, Cn, K]; NaN knot: NaN
+            parts.append(np.nan_to_num(hinge, nan=0.0).reshape(len(standard), -1))
+        parts.append(missing[:, self.indicators].astype(np.float64))
         for c, k in zip(self.categorical, self.n_cats, strict=True):
             code = cells.codes[:, c]
             parts.append((code[:, None] == np.arange(k)).astype(np.float64))  # missing / unseen (-1): all zero
@@ -155,9 +180,9 @@ class LinearBase:
     @classmethod
     def fit(cls, cells, u: np.ndarray, random_state: int | None = 0) -> tuple[LinearBase, np.ndarray]:
         """The base fitted on all rows and its out-of-fold predictions [n] of the rows' targets u (float64): the
-        constant mean, or a ridge on the design's columns as they are or Yeo-Johnson transformed, predicting u or
-        u's Yeo-Johnson transform (mapped back), whichever predicts u out of fold with the smallest squared error
-        (the first of equals, in that order)."""
+        constant mean, or a ridge on the design's columns as they are, Yeo-Johnson transformed or with hinge
+        columns, predicting u or u's Yeo-Johnson transform (mapped back), whichever predicts u out of fold with
+        the smallest squared error (the first of equals, in that order)."""
         u = np.asarray(u, np.float64)
         design = LinearDesign.fit(cells)
         span = float(np.ptp(u)) if len(u) else 0.0
@@ -168,6 +193,8 @@ class LinearBase:
         power = TargetTransform("power").fit(u)
         targets = [(None, u)] + ([(power, power.transform(u))] if power.impl_ is not None else [])
         designs = [design] + ([design.with_numeric_map(cells)] if len(design.numeric) else [])
+        if len(design.numeric) and len(u) * (design.width + len(design.numeric) * HINGE_KNOTS) <= HINGE_CELLS:
+            designs.append(design.with_hinges(cells))
         candidates = []
         for d in designs:
             D = d(cells)

@@ -51,8 +51,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     linear_base : bool, default=True
         Fit a ridge regression first and show the model its out-of-fold residuals; predictions add the ridge
         back (tabfm.linear_base). The model alone fits linear trends over many columns poorly. The ridge sees the
-        numeric columns as they are or Yeo-Johnson transformed and predicts the target or its Yeo-Johnson
-        transform (mapped back), whichever of the four predicts held-out folds best.
+        numeric columns as they are, Yeo-Johnson transformed or with hinge columns (a piecewise-linear curve of
+        each), and predicts the target or its Yeo-Johnson transform (mapped back), whichever of the six predicts
+        held-out folds best.
     calibrate : bool, default=True
         Weigh the model's correction over the ridge (over the targets' centre without linear_base) by a w in
         [0, 1] fitted on held-out train rows (20%, at most 1,000), predicted by the first two members, whose

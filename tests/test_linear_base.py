@@ -84,13 +84,33 @@ def test_a_target_linear_in_transformed_columns_gets_the_plane_of_their_transfor
     train, test = slice(0, 400), slice(400, None)
     cells = _cells(X.iloc[train])
     base, _ = LinearBase.fit(cells, y[train])
-    assert base.design.numeric_map is not None
+    assert base.design.numeric_map is not None or base.design.hinges is not None  # a curve of each column
     new = _cells(X.iloc[train], X.iloc[test])
-    plain_design = dataclasses.replace(base.design, numeric_map=None)
+    plain_design = dataclasses.replace(base.design, numeric_map=None, hinges=None)
     plain = RidgeCV(alphas=ALPHAS).fit(plain_design(cells), y[train])
     ours, theirs = r2_score(y[test], base.predict(new)), r2_score(y[test], plain.predict(plain_design(new)))
     assert ours > theirs + 0.2 and ours > 0.9, (ours, theirs)  # 0.95 against 0.67
-    assert base.design(new).shape == plain_design(new).shape  # the same columns, transformed
+    assert base.design(new).shape[1] == base.design.width
+
+
+def test_a_target_that_peaks_twice_along_a_column_gets_the_hinge_design():
+    """A count that peaks at two hours of the day: no plane fits it, in the column or its transform; a ridge on
+    hinge columns (max(0, hour - knot) at the hours' eighths) fits the curve piecewise."""
+    rng = np.random.default_rng(3)
+    X = pd.DataFrame({"hour": rng.uniform(0, 24, 800), "noise": rng.normal(size=800),
+                      "busy": rng.integers(0, 2, 800).astype(float)})
+    hour = X["hour"].to_numpy()
+    y = np.exp(-(hour - 8) ** 2 / 4) + 1.5 * np.exp(-(hour - 18) ** 2 / 4) + 0.1 * rng.normal(size=800)
+    train, test = slice(0, 600), slice(600, None)
+    cells, new = _cells(X.iloc[train]), _cells(X.iloc[train], X.iloc[test])
+    base, _ = LinearBase.fit(cells, y[train])
+    assert base.design.hinges is not None and base.design(new).shape[1] == base.design.width == 3 * (1 + 7)
+    plain = dataclasses.replace(base.design, hinges=None)
+    ridge = RidgeCV(alphas=ALPHAS).fit(plain(cells), y[train])
+    ours, theirs = r2_score(y[test], base.predict(new)), r2_score(y[test], ridge.predict(plain(new)))
+    assert ours > 0.6 and ours > theirs + 0.5, (ours, theirs)
+    knots = base.design.hinges[list(base.design.numeric).index(2)]  # the 0/1 column: one knot at 0 at most
+    assert np.isfinite(knots).sum() <= 1
 
 
 def test_logistic_model_on_transformed_columns_fits_a_boundary_curved_in_the_columns():
@@ -198,13 +218,16 @@ def test_quantiles_move_with_the_base_and_cover_the_noise():
 def test_save_and_load_keep_the_base(tmp_path, table):
     X, y = table(120) if table is not _linear_table else table(120, noise=0.3)
     est = TabFMRegressor(n_estimators=2, n_jobs=1).fit(X, y)
-    if table is not _linear_table:  # the maps that make these targets a plane are chosen, and kept
-        assert est.linear_base_.target_map is not None or est.linear_base_.design.numeric_map is not None
+    base = est.linear_base_
+    if table is not _linear_table:  # the maps or hinges that make these targets a plane are chosen, and kept
+        assert base.target_map is not None or base.design.numeric_map is not None or base.design.hinges is not None
     est.save(tmp_path / "est")
     back = TabFMRegressor.load(tmp_path / "est")
     np.testing.assert_array_equal(back.linear_base_.coef, est.linear_base_.coef)
     assert type(back.linear_base_.target_map) is type(est.linear_base_.target_map)
     assert type(back.linear_base_.design.numeric_map) is type(est.linear_base_.design.numeric_map)
+    if base.design.hinges is not None:
+        np.testing.assert_array_equal(back.linear_base_.design.hinges, base.design.hinges)
     cells = est.train_cells_
     np.testing.assert_array_equal(back.linear_base_.predict(cells), est.linear_base_.predict(cells))
     np.testing.assert_allclose(back.predict(X.iloc[:20]), est.predict(X.iloc[:20]), rtol=1e-6, atol=1e-6)
