@@ -46,7 +46,7 @@ from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # 
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
-from tabfm.linear_base import LogisticModel
+from tabfm.linear_base import LINEAR_VIEWS, LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
@@ -508,8 +508,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
         same held-out rows (w = 0 where it does not help them), as is whether the logistic regression sees the
-        numeric columns as they are or Yeo-Johnson transformed. The model alone draws linear boundaries over
-        many columns poorly (tabfm.linear_base).
+        numeric columns as they are, Yeo-Johnson transformed or with hinge columns. The model alone draws linear
+        boundaries over many columns poorly (tabfm.linear_base).
     """
 
     _task = "classification"
@@ -560,14 +560,14 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         held_members = self._held_members(n_members, len(y_ids) - len(held))
         if len(held) and held_members:
             self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
-            self.temperature_, self.blend_weight_, numeric_map = self._fit_temperature(
+            self.temperature_, self.blend_weight_, view = self._fit_temperature(
                 self._cell_outputs(self.train_cells_.take(held), members=held_members), held)
         else:
             self._fit_common(X, y_ids, n_members, model, encode=False)
-            self.temperature_, self.blend_weight_, numeric_map = (
-                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, False))
+            self.temperature_, self.blend_weight_, view = (
+                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, "plain"))
             self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
-        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, numeric_map)
+        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, view)
                               if self.blend_weight_ > 0 else None)
         return self
 
@@ -582,26 +582,27 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, bool]:
-        """(softmax temperature, blend weight, numeric map) that minimise the log-loss of the train rows `held`,
+    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, str]:
+        """(softmax temperature, blend weight, linear view) that minimise the log-loss of the train rows `held`,
         given the members' predictions of them logp [M, h, G] from contexts without them, and with linear_blend
-        a logistic regression's fitted on the other train rows, on the numeric columns as they are or Yeo-Johnson
-        transformed (the map; ties go to no map, then the lowest temperature, then the lowest weight)."""
+        a logistic regression's fitted on the other train rows, seeing the numeric columns in one of
+        linear_base.LINEAR_VIEWS (ties go to the first view, then the lowest temperature, then the lowest
+        weight)."""
         y, K = self.y_train_, len(self.classes_)
         keep = np.setdiff1d(np.arange(len(y)), held)
         held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
         weights, linears = np.zeros(1), [np.zeros((len(held), K))]
         if self.linear_blend and len(np.unique(y[keep])) > 1:
             weights = calibration.BLEND_WEIGHTS
-            linears = [LogisticModel.fit(keep_cells, y[keep], K, mapped).predict_proba(held_cells)
-                       for mapped in (False, True)]
+            linears = [LogisticModel.fit(keep_cells, y[keep], K, view).predict_proba(held_cells)
+                       for view in LINEAR_VIEWS]
         losses = np.stack([calibration.blend_losses(lambda t: self._combine(logp, t), linear, y[held], weights)
                            for linear in linears])
-        mapped, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
-        return float(calibration.TEMPERATURES[t]), float(weights[w]), bool(mapped)
+        view, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
+        return float(calibration.TEMPERATURES[t]), float(weights[w]), LINEAR_VIEWS[view]
 
-    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, bool]:
-        """(softmax temperature, blend weight, numeric map) from the calibration rows `held` predicted by a probe:
+    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, str]:
+        """(softmax temperature, blend weight, linear view) from the calibration rows `held` predicted by a probe:
         the same ensemble fitted on the other train rows. Where the first members' local contexts cannot leave the rows
         out (no local contexts, too few rows left, fewer than 4 members, or too many classes), an honest held-out prediction needs a second encoding:
         nothing of the full contexts carries over to one, since every stage that reads train rows mixes all of

@@ -24,8 +24,9 @@ along with the rest).
 
 The classifier cannot hand the model residuals of class labels, so it blends instead: (1 - w) * the ensemble's
 probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
-rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend. Whether the
-logistic regression sees the numeric columns as they are or Yeo-Johnson transformed is chosen there too.
+rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend. How the
+logistic regression sees the numeric columns (LINEAR_VIEWS: as they are, Yeo-Johnson transformed, with hinge
+columns) is chosen there too.
 
 Everything here is float64 numpy over the preprocessed cells (tabfm.preprocess.Cells), in the normalised target
 units of tabfm.target_transform.TargetScale, and the fitted base is a handful of arrays (saved as such).
@@ -54,6 +55,8 @@ HINGE_CELLS = 20_000_000
 """Largest rows x columns of a hinge design the base tries (its ridge is then the base's largest cost; past this
 the hinge candidate is skipped)."""
 ALPHAS = np.logspace(-3, 3, 13)
+LINEAR_VIEWS = ("plain", "power", "hinges")
+"""How a linear model may see the numeric columns: as they are, Yeo-Johnson transformed, with hinge columns."""
 """The ridge penalties RidgeCV chooses from (on standardised columns)."""
 
 
@@ -244,16 +247,21 @@ class LogisticModel:
     n_classes: int
 
     @classmethod
-    def fit(cls, cells, y: np.ndarray, n_classes: int, numeric_map: bool = False) -> LogisticModel:
-        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design (with
-        numeric_map, its numeric columns Yeo-Johnson transformed: LinearDesign.with_numeric_map). A design
+    def fit(cls, cells, y: np.ndarray, n_classes: int, view: str = "plain") -> LogisticModel:
+        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design, its
+        numeric columns as they are ("plain"), Yeo-Johnson transformed ("power": LinearDesign.with_numeric_map)
+        or with hinge columns ("hinges": LinearDesign.with_hinges; one of LINEAR_VIEWS). A design
         without columns (every column categorical with more than MAX_ONEHOT categories) gives the class
         frequencies, what a logistic regression's unpenalised intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 
         design = LinearDesign.fit(cells)
-        if numeric_map:
+        if view not in LINEAR_VIEWS:
+            raise ValueError(f"view must be one of {LINEAR_VIEWS}, got {view!r}")
+        if view == "power":
             design = design.with_numeric_map(cells)
+        elif view == "hinges":
+            design = design.with_hinges(cells)
         if design.width == 0:
             classes, counts = np.unique(y, return_counts=True)
             log_prior = np.log(counts / counts.sum())

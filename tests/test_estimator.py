@@ -313,11 +313,13 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     held_cells = clf.train_cells_.take(held)
     logp = clf._cell_outputs(held_cells, members=2)
     np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
-    temperature, weight, numeric_map = clf._fit_temperature(logp, held)
+    temperature, weight, view = clf._fit_temperature(logp, held)
     assert (clf.temperature_, clf.blend_weight_) == (temperature, weight)
     assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
     if clf.linear_model_ is not None:
-        assert (clf.linear_model_.design.numeric_map is not None) == numeric_map
+        design = clf.linear_model_.design
+        assert (design.numeric_map is not None) == (view == "power")
+        assert (design.hinges is not None) == (view == "hinges")
     shapes.clear()
     two = TabFMClassifier(n_estimators=2, local_context_rows=64, n_jobs=1).fit(df, y)
     assert sum(t for t, _ in shapes) > len(two.context_rows_)  # the probe's contexts, then the fit's

@@ -119,10 +119,25 @@ def test_logistic_model_on_transformed_columns_fits_a_boundary_curved_in_the_col
     y = (np.log(X["a"]) + np.log(X["b"]) + 0.3 * rng.normal(size=1000) > 0).to_numpy().astype(int)  # a * b > 1
     cells, new = _cells(X.iloc[:700]), _cells(X.iloc[:700], X.iloc[700:])
     plain = LogisticModel.fit(cells, y[:700], 2)
-    mapped = LogisticModel.fit(cells, y[:700], 2, numeric_map=True)
+    mapped = LogisticModel.fit(cells, y[:700], 2, view="power")
     assert plain.design.numeric_map is None and mapped.design.numeric_map is not None
     loss = {name: log_loss(y[700:], m.predict_proba(new)) for name, m in (("plain", plain), ("mapped", mapped))}
     assert loss["mapped"] < 0.8 * loss["plain"], loss  # 0.16 against 0.31
+    with pytest.raises(ValueError, match="view must be one of"):
+        LogisticModel.fit(cells, y[:700], 2, view="log")
+
+
+def test_logistic_model_on_hinge_columns_fits_a_band_along_a_column():
+    """Class 1 between two values of a column (a band): no single slope separates it; hinge columns do."""
+    rng = np.random.default_rng(4)
+    X = pd.DataFrame({"x": rng.uniform(-3, 3, 1000), "z": rng.normal(size=1000)})
+    y = (np.abs(X["x"].to_numpy()) < 1).astype(int)
+    cells, new = _cells(X.iloc[:700]), _cells(X.iloc[:700], X.iloc[700:])
+    plain = LogisticModel.fit(cells, y[:700], 2)
+    hinged = LogisticModel.fit(cells, y[:700], 2, view="hinges")
+    assert hinged.design.hinges is not None and hinged.design(new).shape[1] == hinged.design.width
+    loss = {name: log_loss(y[700:], m.predict_proba(new)) for name, m in (("plain", plain), ("hinges", hinged))}
+    assert loss["hinges"] < 0.5 * loss["plain"], loss  # 0.14 against 0.64
 
 
 def test_missing_values_get_an_indicator_and_unseen_categories_no_weight():
