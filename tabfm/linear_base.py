@@ -17,10 +17,9 @@ saturates with age, a count that peaks at two hours of the day): there a plane i
 of the numeric columns or in hinge columns of them (a piecewise-linear curve of each column), predicting the
 target or its Yeo-Johnson transform (mapped back), is the better base. Which of the six a table gets is decided
 the same way, out of fold on the same folds: the one whose out-of-fold predictions, in the target's units, have
-the smallest squared error. The
-base stays a deterministic function of the row, so the model still learns what it leaves and nothing downstream
-changes (a mean of transformed predictions mapped back is biased, but the model's residuals correct the bias
-along with the rest).
+the smallest squared error. The base stays a deterministic function of the row, so the model still learns what
+it leaves and nothing downstream changes (a mean of transformed predictions mapped back is biased, but the
+model's residuals correct the bias along with the rest).
 
 The classifier cannot hand the model residuals of class labels, so it blends instead: (1 - w) * the ensemble's
 probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
@@ -55,9 +54,10 @@ HINGE_CELLS = 20_000_000
 """Largest rows x columns of a hinge design the base tries (its ridge is then the base's largest cost; past this
 the hinge candidate is skipped)."""
 ALPHAS = np.logspace(-3, 3, 13)
-LINEAR_VIEWS = ("plain", "power", "hinges")
-"""How a linear model may see the numeric columns: as they are, Yeo-Johnson transformed, with hinge columns."""
 """The ridge penalties RidgeCV chooses from (on standardised columns)."""
+LINEAR_VIEWS = ("plain", "power", "hinges")
+"""How a linear model may see the numeric columns (LinearDesign.viewed): as they are, Yeo-Johnson transformed,
+with hinge columns."""
 
 
 @dataclass
@@ -120,18 +120,32 @@ class LinearDesign:
                    lows=lows, highs=highs, indicators=np.flatnonzero((~observed).any(0)), categorical=categorical,
                    n_cats=cells.n_cats[categorical].astype(np.int64), squeeze=bounds.squeeze)
 
+    def viewed(self, view: str, cells) -> LinearDesign:
+        """This design in one of LINEAR_VIEWS: "plain" itself, "power" with_numeric_map, "hinges" with_hinges,
+        fitted on `cells` (the train rows)."""
+        if view not in LINEAR_VIEWS:
+            raise ValueError(f"view must be one of {LINEAR_VIEWS}, got {view!r}")
+        if view == "power":
+            return self.with_numeric_map(cells)
+        if view == "hinges":
+            return self.with_hinges(cells)
+        return self
+
     def with_numeric_map(self, cells) -> LinearDesign:
         """This design with its numeric columns Yeo-Johnson transformed, the transform fitted on `cells` (the
         train rows); itself where there is no numeric column."""
         if not len(self.numeric):
             return self
-        standard = self(cells)[:, :len(self.numeric)]
+        standard = np.ascontiguousarray(self._numeric(cells)[0])  # row-major, as the fit's sums always saw it
         return dataclasses.replace(self, numeric_map=YeoJohnson().fit(standard))
 
     def with_hinges(self, cells) -> LinearDesign:
         """This design with hinge columns at the eighths of each numeric column's train values (`cells`: the
-        train rows); a knot that repeats a lower one or reaches the column's largest value adds nothing (NaN)."""
-        standard = self(cells)[:, :len(self.numeric)]
+        train rows); a knot that repeats a lower one or reaches the column's largest value adds nothing (NaN).
+        Itself where there is no numeric column."""
+        if not len(self.numeric):
+            return self
+        standard = self._numeric(cells)[0]
         knots = np.quantile(standard, np.arange(1, HINGE_KNOTS + 1) / (HINGE_KNOTS + 1), axis=0).T.copy()
         for j, row in enumerate(knots):
             row[np.r_[False, np.diff(row) <= 0] | (row >= self.highs[j])] = np.nan
@@ -142,8 +156,9 @@ class LinearDesign:
         hinges = 0 if self.hinges is None else self.hinges.size
         return len(self.numeric) + hinges + len(self.indicators) + int(self.n_cats.sum())
 
-    def __call__(self, cells) -> np.ndarray:
-        """[n, width] float64 design matrix of the rows of `cells`."""
+    def _numeric(self, cells) -> tuple[np.ndarray, np.ndarray]:
+        """([n, Cn] the numeric columns as the design shows them: standardised, held inside [lows, highs], through
+        numeric_map; [n, Cn] which of their cells were missing)."""
         values = cells.values[:, self.numeric] / self.peaks
         missing = np.isnan(values)
         filled = np.where(missing, self.medians, values)
@@ -155,6 +170,11 @@ class LinearDesign:
         standard = np.clip(np.nan_to_num(standard, nan=0.0, posinf=np.inf, neginf=-np.inf), self.lows, self.highs)
         if self.numeric_map is not None:
             standard = self.numeric_map.transform(standard)
+        return standard, missing
+
+    def __call__(self, cells) -> np.ndarray:
+        """[n, width] float64 design matrix of the rows of `cells`."""
+        standard, missing = self._numeric(cells)
         parts = [standard]
         if self.hinges is not None:
             hinge = np.maximum(standard[:, :, None] - self.hinges[None], 0.0)  # [n, Cn, K]; NaN knot: NaN
@@ -195,9 +215,10 @@ class LinearBase:
             return base, np.full(len(u), base.intercept)
         power = TargetTransform("power").fit(u)
         targets = [(None, u)] + ([(power, power.transform(u))] if power.impl_ is not None else [])
-        designs = [design] + ([design.with_numeric_map(cells)] if len(design.numeric) else [])
-        if len(design.numeric) and len(u) * (design.width + len(design.numeric) * HINGE_KNOTS) <= HINGE_CELLS:
-            designs.append(design.with_hinges(cells))
+        too_wide = len(u) * (design.width + len(design.numeric) * HINGE_KNOTS) > HINGE_CELLS
+        views = [v for v in LINEAR_VIEWS  # the other views need numeric columns; hinges, room for their ridge
+                 if v == "plain" or (len(design.numeric) and not (v == "hinges" and too_wide))]
+        designs = [design.viewed(v, cells) for v in views]
         candidates = []
         for d in designs:
             D = d(cells)
@@ -249,19 +270,12 @@ class LogisticModel:
     @classmethod
     def fit(cls, cells, y: np.ndarray, n_classes: int, view: str = "plain") -> LogisticModel:
         """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design, its
-        numeric columns as they are ("plain"), Yeo-Johnson transformed ("power": LinearDesign.with_numeric_map)
-        or with hinge columns ("hinges": LinearDesign.with_hinges; one of LINEAR_VIEWS). A design
+        numeric columns in `view`, one of LINEAR_VIEWS (LinearDesign.viewed). A design
         without columns (every column categorical with more than MAX_ONEHOT categories) gives the class
         frequencies, what a logistic regression's unpenalised intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 
-        design = LinearDesign.fit(cells)
-        if view not in LINEAR_VIEWS:
-            raise ValueError(f"view must be one of {LINEAR_VIEWS}, got {view!r}")
-        if view == "power":
-            design = design.with_numeric_map(cells)
-        elif view == "hinges":
-            design = design.with_hinges(cells)
+        design = LinearDesign.fit(cells).viewed(view, cells)
         if design.width == 0:
             classes, counts = np.unique(y, return_counts=True)
             log_prior = np.log(counts / counts.sum())
