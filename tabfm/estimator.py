@@ -46,7 +46,7 @@ from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # 
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
-from tabfm.linear_base import LINEAR_VIEWS, LogisticModel
+from tabfm.linear_base import LINEAR_VIEWS, LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
@@ -507,9 +507,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     linear_blend : bool, default=True
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
-        same held-out rows (w = 0 where it does not help them), as is whether the logistic regression sees the
-        numeric columns as they are, Yeo-Johnson transformed or with hinge columns. The model alone draws linear
-        boundaries over many columns poorly (tabfm.linear_base).
+        same held-out rows (w = 0 where it does not help them), as are whether the logistic regression sees the
+        numeric columns as they are, Yeo-Johnson transformed or with hinge columns, and its L2 penalty (C 0.1, 1
+        or 10). The model alone draws linear boundaries over many columns poorly (tabfm.linear_base).
     """
 
     _task = "classification"
@@ -560,15 +560,15 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         held_members = self._held_members(n_members, len(y_ids) - len(held))
         if len(held) and held_members:
             self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
-            self.temperature_, self.blend_weight_, view = self._fit_temperature(
+            self.temperature_, self.blend_weight_, linear = self._fit_temperature(
                 self._cell_outputs(self.train_cells_.take(held), members=held_members), held)
         else:
             self._fit_common(X, y_ids, n_members, model, encode=False)
-            self.temperature_, self.blend_weight_, view = (
-                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, "plain"))
+            self.temperature_, self.blend_weight_, linear = (
+                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, None))
             self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
-        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, view)
-                              if self.blend_weight_ > 0 else None)
+        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
+                                                start=linear.kept) if self.blend_weight_ > 0 else None)
         return self
 
     def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -582,35 +582,48 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, str]:
-        """(softmax temperature, blend weight, linear view) that minimise the log-loss of the train rows `held`,
-        given the members' predictions of them logp [M, h, G] from contexts without them, and with linear_blend
-        a logistic regression's fitted on the other train rows, seeing the numeric columns in one of
-        linear_base.LINEAR_VIEWS (ties go to the first view, then the lowest temperature, then the lowest
-        weight)."""
+    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, LinearChoice]:
+        """(softmax temperature, blend weight, the logistic regression's LinearChoice) that minimise the log-loss
+        of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts without
+        them, and with linear_blend a logistic regression's fitted on the other train rows. Its view of the
+        numeric columns (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS,
+        then its penalty among them in that view, each fit starting from that view's first (two stages: a fit
+        per view and per other penalty, not per pair). Ties go to the first view and penalty, then the lowest
+        temperature, then the lowest weight."""
         y, K = self.y_train_, len(self.classes_)
         keep = np.setdiff1d(np.arange(len(y)), held)
         held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
-        weights, linears = np.zeros(1), [np.zeros((len(held), K))]
-        if self.linear_blend and len(np.unique(y[keep])) > 1:
-            weights = calibration.BLEND_WEIGHTS
-            linears = [LogisticModel.fit(keep_cells, y[keep], K, view).predict_proba(held_cells)
-                       for view in LINEAR_VIEWS]
-        losses = np.stack([calibration.blend_losses(lambda t: self._combine(logp, t), linear, y[held], weights)
-                           for linear in linears])
-        view, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
-        return float(calibration.TEMPERATURES[t]), float(weights[w]), LINEAR_VIEWS[view]
 
-    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, str]:
-        """(softmax temperature, blend weight, linear view) from the calibration rows `held` predicted by a probe:
-        the same ensemble fitted on the other train rows. Where the first members' local contexts cannot leave the rows
-        out (no local contexts, too few rows left, fewer than 4 members, or too many classes), an honest held-out prediction needs a second encoding:
-        nothing of the full contexts carries over to one, since every stage that reads train rows mixes all of
-        them (the cell statistics, the attention down each column, the in-context transformer). It is kept
-        cheap: its context holds at most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn
-        per member, and it runs before the full contexts are encoded, its caches freed first, so peak memory is
-        the larger encoding, not both; and it runs the first calibration.calibration_members members only,
-        where the classes allow.
+        def losses(linears: list[np.ndarray]) -> np.ndarray:  # [candidates, temperatures, weights]
+            return np.stack([calibration.blend_losses(lambda t: self._combine(logp, t), linear, y[held], weights)
+                             for linear in linears])
+
+        weights, linears, choices = np.zeros(1), [np.zeros((len(held), K))], [LinearChoice("plain", LOGISTIC_CS[0])]
+        if self.linear_blend and len(np.unique(y[keep])) > 1:
+            weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
+            views = LINEAR_VIEWS if len(design.numeric) else LINEAR_VIEWS[:1]  # else every view is the same
+            firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
+                                               LOGISTIC_CS[0]) for view in views]
+            linears = [model.predict_proba(held_cells) for model in firsts]
+            best = int(losses(linears).reshape(len(views), -1).min(1).argmin())
+            models = [firsts[best]] + [LogisticModel.fit_design(keep_cells, y[keep], K, firsts[best].design, C,
+                                                                start=firsts[best]) for C in LOGISTIC_CS[1:]]
+            linears = [linears[best]] + [model.predict_proba(held_cells) for model in models[1:]]
+            choices = [LinearChoice(views[best], C, model) for C, model in zip(LOGISTIC_CS, models, strict=True)]
+        scores = losses(linears)
+        choice, t, w = np.unravel_index(int(np.argmin(scores)), scores.shape)
+        return float(calibration.TEMPERATURES[t]), float(weights[w]), choices[choice]
+
+    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, LinearChoice]:
+        """(softmax temperature, blend weight, LinearChoice) from the calibration rows `held`
+        predicted by a probe: the same ensemble fitted on the other train rows. Where the first members' local
+        contexts cannot leave the rows out (no local contexts, too few rows left, fewer than 4 members, or too
+        many classes), an honest held-out prediction needs a second encoding: nothing of the full contexts
+        carries over to one, since every stage that reads train rows mixes all of them (the cell statistics, the
+        attention down each column, the in-context transformer). It is kept cheap: its context holds at most
+        half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before the
+        full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both; and
+        it runs the first calibration.calibration_members members only, where the classes allow.
         """
         y, n = self.y_train_, len(self.y_train_)
         keep = np.setdiff1d(np.arange(n), held)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,6 +56,10 @@ HINGE_CELLS = 20_000_000
 the hinge candidate is skipped)."""
 ALPHAS = np.logspace(-3, 3, 13)
 """The ridge penalties RidgeCV chooses from (on standardised columns)."""
+LOGISTIC_CS = (1.0, 0.1, 10.0)
+"""The logistic regression's L2 penalties (C, on the standardised design) the classifier chooses from on its held
+rows (TabFMClassifier._fit_temperature): its view of the columns is chosen at the first, then the penalty in that
+view."""
 LINEAR_VIEWS = ("plain", "power", "hinges")
 """How a linear model may see the numeric columns (LinearDesign.viewed): as they are, Yeo-Johnson transformed,
 with hinge columns."""
@@ -268,22 +273,34 @@ class LogisticModel:
     n_classes: int
 
     @classmethod
-    def fit(cls, cells, y: np.ndarray, n_classes: int, view: str = "plain") -> LogisticModel:
-        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C=1 on the standardised design, its
-        numeric columns in `view`, one of LINEAR_VIEWS (LinearDesign.viewed). A design
-        without columns (every column categorical with more than MAX_ONEHOT categories) gives the class
-        frequencies, what a logistic regression's unpenalised intercept alone fits."""
+    def fit(cls, cells, y: np.ndarray, n_classes: int, view: str = "plain", C: float = 1.0,
+            start: LogisticModel | None = None) -> LogisticModel:
+        """Fitted on the rows' class ids y (0..n_classes-1); L2 penalty C on the standardised design, its
+        numeric columns in `view`, one of LINEAR_VIEWS (LinearDesign.viewed); from `start` (fit_design)."""
+        return cls.fit_design(cells, y, n_classes, LinearDesign.fit(cells).viewed(view, cells), C, start)
+
+    @classmethod
+    def fit_design(cls, cells, y: np.ndarray, n_classes: int, design: LinearDesign, C: float = 1.0,
+                   start: LogisticModel | None = None) -> LogisticModel:
+        """Fitted on `design` (fitted on these cells). The solver begins at `start`'s weights where it has the
+        same classes and width (a model of a subset of these rows, or of another penalty: the same optimum in
+        fewer iterations; 128 hinge columns of 8,600 rows x 26 classes took 411 iterations from zero, 128 from
+        the model of 90% of the rows), else at zero. A design without columns (every column categorical with
+        more than MAX_ONEHOT categories) gives the class frequencies, what a logistic regression's unpenalised
+        intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 
-        design = LinearDesign.fit(cells).viewed(view, cells)
         if design.width == 0:
             classes, counts = np.unique(y, return_counts=True)
             log_prior = np.log(counts / counts.sum())
             intercept = log_prior[1:] - log_prior[:1] if len(classes) == 2 else log_prior
             return cls(design, np.zeros((len(intercept), 0)), intercept, classes.astype(np.int64), n_classes)
+        lr = LogisticRegression(C=C, max_iter=1000, warm_start=start is not None)
+        if start is not None and start.coef.shape[1] == design.width and np.array_equal(start.classes, np.unique(y)):
+            lr.coef_, lr.intercept_ = start.coef.copy(), start.intercept.copy()  # where warm_start begins
         with warnings.catch_warnings():  # "more classes than half the rows ... a regression problem?": the
             warnings.filterwarnings("ignore", "The number of unique classes", UserWarning)  # classes are given
-            lr = LogisticRegression(max_iter=1000).fit(design(cells), y)
+            lr.fit(design(cells), y)
         return cls(design, np.asarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
                    np.asarray(lr.classes_, np.int64), n_classes)
 
@@ -297,6 +314,16 @@ class LogisticModel:
         out = np.zeros((len(z), self.n_classes))
         out[:, self.classes] = softmax(z, axis=1)
         return out
+
+
+class LinearChoice(NamedTuple):
+    """How the classifier's logistic regression is fitted to all train rows, as chosen on the held rows: its
+    view of the numeric columns (LINEAR_VIEWS), its penalty C, and its model of the kept rows (where the
+    solver begins; None: no logistic regression was fitted)."""
+
+    view: str
+    C: float
+    kept: LogisticModel | None = None
 
 
 def _ridge():

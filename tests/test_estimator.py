@@ -15,6 +15,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabfm import calibration, estimator, estimator_model, inference
 from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
+from tabfm.linear_base import LogisticModel
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "
                     "the float64 instance passes this check exactly")
@@ -313,13 +314,15 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     held_cells = clf.train_cells_.take(held)
     logp = clf._cell_outputs(held_cells, members=2)
     np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
-    temperature, weight, view = clf._fit_temperature(logp, held)
+    temperature, weight, linear = clf._fit_temperature(logp, held)
     assert (clf.temperature_, clf.blend_weight_) == (temperature, weight)
     assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
-    if clf.linear_model_ is not None:
+    if clf.linear_model_ is not None:  # the view and penalty chosen, refitted on every train row
         design = clf.linear_model_.design
-        assert (design.numeric_map is not None) == (view == "power")
-        assert (design.hinges is not None) == (view == "hinges")
+        assert (design.numeric_map is not None) == (linear.view == "power")
+        assert (design.hinges is not None) == (linear.view == "hinges")
+        again = LogisticModel.fit(clf.train_cells_, clf.y_train_, 2, linear.view, linear.C, start=linear.kept)
+        np.testing.assert_array_equal(clf.linear_model_.coef, again.coef)
     shapes.clear()
     two = TabFMClassifier(n_estimators=2, local_context_rows=64, n_jobs=1).fit(df, y)
     assert sum(t for t, _ in shapes) > len(two.context_rows_)  # the probe's contexts, then the fit's

@@ -7,11 +7,11 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
-from sklearn.linear_model import RidgeCV
+from sklearn.linear_model import LogisticRegression, RidgeCV
 from sklearn.metrics import log_loss, r2_score
 
 from tabfm import TabFMClassifier, TabFMRegressor
-from tabfm.linear_base import ALPHAS, MIN_ROWS, LinearBase, LogisticModel
+from tabfm.linear_base import ALPHAS, LOGISTIC_CS, MIN_ROWS, LinearBase, LinearDesign, LogisticModel
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -138,6 +138,40 @@ def test_logistic_model_on_hinge_columns_fits_a_band_along_a_column():
     assert hinged.design.hinges is not None and hinged.design(new).shape[1] == hinged.design.width
     loss = {name: log_loss(y[700:], m.predict_proba(new)) for name, m in (("plain", plain), ("hinges", hinged))}
     assert loss["hinges"] < 0.5 * loss["plain"], loss  # 0.14 against 0.64
+
+
+def test_logistic_fits_from_a_start_reach_the_same_optimum_in_fewer_steps():
+    """A fit that begins at another model's weights (of a subset of the rows, or of another penalty) reaches the
+    optimum a fit from zero does (the loss is convex: one optimum, both within the solver's tolerance), in
+    fewer iterations; a start of another width begins at zero; a weaker penalty (larger C) gives larger
+    weights."""
+    rng = np.random.default_rng(5)
+    X = pd.DataFrame(rng.normal(size=(400, 6)), columns=list("abcdef"))
+    y = (X.to_numpy() @ np.array([2.0, -1.0, 0.5, 0, 0, 0]) + rng.normal(size=400) > 0).astype(int)
+    cells, part = _cells(X.iloc[:300]), _cells(X.iloc[:240])
+    design = LinearDesign.fit(cells).viewed("hinges", cells)
+
+    def objective(model, C):  # what LogisticRegression minimises: C x the summed log-loss + |w|^2 / 2
+        p = model.predict_proba(cells)[np.arange(300), y[:300]]
+        return C * -np.log(p).sum() + 0.5 * (model.coef ** 2).sum()
+
+    iterations = []
+    real_fit = LogisticRegression.fit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LogisticRegression, "fit", lambda lr, *a, **k: iterations.append(
+            int(real_fit(lr, *a, **k).n_iter_[0])) or lr)
+        subset = LogisticModel.fit(part, y[:240], 2, view="hinges")
+        cold = [LogisticModel.fit_design(cells, y[:300], 2, design, C) for C in sorted(LOGISTIC_CS)]
+        warm = [LogisticModel.fit_design(cells, y[:300], 2, design, C, start=subset) for C in sorted(LOGISTIC_CS)]
+        plain = LogisticModel.fit(cells, y[:300], 2)
+        narrow = LogisticModel.fit(cells, y[:300], 2, start=subset)  # 6 columns, the start 48: from zero
+    np.testing.assert_array_equal(plain.coef, narrow.coef)
+    n = len(LOGISTIC_CS)
+    assert sum(iterations[1 + n:1 + 2 * n]) < sum(iterations[1:1 + n]), iterations
+    norms = [np.linalg.norm(m.coef) for m in cold]
+    assert all(a < b for a, b in zip(norms, norms[1:], strict=False)), norms
+    for C, a, b in zip(sorted(LOGISTIC_CS), cold, warm, strict=True):
+        assert objective(b, C) == pytest.approx(objective(a, C), rel=1e-4), C
 
 
 def test_missing_values_get_an_indicator_and_unseen_categories_no_weight():
@@ -300,6 +334,20 @@ def test_classifier_weighs_in_the_logistic_regression_where_held_out_rows_prefer
     assert log_loss(y[400:], p_blend) < log_loss(y[400:], p_alone)
     raw = TabFMClassifier(n_estimators=2, n_jobs=1, calibrate=False).fit(X[:400], y[:400])
     assert raw.blend_weight_ == 0 and raw.linear_model_ is None  # the weight is fitted with the temperature
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_held_rows_choose_the_weakest_penalty_for_a_boundary_without_noise(seed):
+    """Classes split by a plane without noise: the sharper the logistic regression, the better it predicts the
+    held rows, so of LOGISTIC_CS the largest C is chosen (the model's own prediction uniform here, so the
+    choice is the logistic regression's alone), in the plain view."""
+    from tabfm import calibration
+
+    X, y = _wide_linear_classes(600, seed=seed)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1).fit(X, y)
+    held = calibration.held_out_rows(y, 2, np.random.default_rng(seed))
+    _, weight, choice = clf._fit_temperature(np.zeros((1, len(held), 2)), held)
+    assert weight > 0 and (choice.view, choice.C) == ("plain", max(LOGISTIC_CS))
 
 
 def test_save_and_load_keep_the_blend(tmp_path):
