@@ -117,19 +117,27 @@ def held_out_rows(y: np.ndarray, n_classes: int, rng: np.random.Generator) -> np
     return held
 
 
-def blend_losses(proba_at: Callable[[float], np.ndarray], linear: np.ndarray, y: np.ndarray,
-                 weights: np.ndarray) -> np.ndarray:
-    """[len(TEMPERATURES), len(weights)] mean log-loss of the held rows' true classes y [h] under (1 - weight) x
-    proba_at(temperature) + weight x linear (both [h, K])."""
+def true_class_probabilities(proba_at: Callable[[float], np.ndarray], y: np.ndarray) -> np.ndarray:
+    """[len(TEMPERATURES), h] the probability proba_at(temperature) [h, K] gives each held row's true class
+    y [h]: all that the log-loss reads of it."""
     truth = np.arange(len(y)), y
-    return np.array([[-np.log(np.clip(((1 - w) * proba + w * linear)[truth], 1e-15, None)).mean()
-                      for w in weights] for proba in (proba_at(t) for t in TEMPERATURES)])
+    return np.stack([proba_at(t)[truth] for t in TEMPERATURES])
+
+
+def blend_losses(model: np.ndarray, linears: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """[L, len(TEMPERATURES), len(weights)] mean log-loss of the held rows under (1 - weight) x the model's +
+    weight x a linear model's probabilities, given each one's probabilities of the rows' true classes: model
+    [len(TEMPERATURES), h] (true_class_probabilities), linears [L, h]. The model's side is computed once for
+    every linear model it is weighed against."""
+    mix = ((1 - weights)[None, None, :, None] * model[None, :, None, :]
+           + weights[None, None, :, None] * linears[:, None, None, :])             # [L, T, W, h]
+    return -np.log(np.clip(mix, 1e-15, None)).mean(-1)
 
 
 def fit_temperature_and_blend(proba_at: Callable[[float], np.ndarray], linear: np.ndarray, y: np.ndarray,
                               weights: np.ndarray) -> tuple[float, float]:
     """(temperature, weight) of TEMPERATURES x `weights` that minimise blend_losses; ties go to the lowest
     temperature, then the lowest weight."""
-    losses = blend_losses(proba_at, linear, y, weights)
+    losses = blend_losses(true_class_probabilities(proba_at, y), linear[np.arange(len(y)), y][None], weights)[0]
     t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
     return float(TEMPERATURES[t]), float(weights[w])

@@ -594,9 +594,11 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         keep = np.setdiff1d(np.arange(len(y)), held)
         held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
 
+        truth = np.arange(len(held)), y[held]
+        model = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
+
         def losses(linears: list[np.ndarray]) -> np.ndarray:  # [candidates, temperatures, weights]
-            return np.stack([calibration.blend_losses(lambda t: self._combine(logp, t), linear, y[held], weights)
-                             for linear in linears])
+            return calibration.blend_losses(model, np.stack([linear[truth] for linear in linears]), weights)
 
         weights, linears, choices = np.zeros(1), [np.zeros((len(held), K))], [LinearChoice("plain", LOGISTIC_CS[0])]
         if self.linear_blend and len(np.unique(y[keep])) > 1:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from scipy.stats import norm
+from sklearn.metrics import log_loss
 
-from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, calibration_members,
-                               correction_weight, fit_temperature_and_blend, held_members, held_out_rows,
-                               held_out_targets, spread_factor)
+from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, blend_losses,
+                               calibration_members, correction_weight, fit_temperature_and_blend, held_members,
+                               held_out_rows, held_out_targets, spread_factor, true_class_probabilities)
 
 
 def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
@@ -46,6 +47,21 @@ def test_the_blend_goes_to_the_better_model_and_ties_to_the_lowest_values():
     coin = np.full((100, 2), 0.5)                                      # the ensemble knows nothing, at any t
     t, w = fit_temperature_and_blend(lambda t: coin, good, y, np.linspace(0.0, 0.9, 10))
     assert w == 0.9 and t == TEMPERATURES[0]                           # every t ties: the lowest
+
+
+def test_blend_losses_of_several_linear_models_are_each_ones_log_loss():
+    """blend_losses reads only the true classes' probabilities and scores every linear model against the
+    model's once: each entry is the log-loss of that blend of the full probability matrices."""
+    rng = np.random.default_rng(3)
+    logits, y = rng.normal(size=(60, 4)), rng.integers(0, 4, 60)
+    linears = rng.dirichlet(np.ones(4), size=(3, 60))                 # [L, h, K]
+    weights = np.linspace(0.0, 0.9, 10)
+    losses = blend_losses(true_class_probabilities(lambda t: _softmax(logits, t), y),
+                          linears[:, np.arange(60), y], weights)
+    assert losses.shape == (3, len(TEMPERATURES), 10)
+    for i, j, k in [(0, 0, 0), (1, 17, 3), (2, 40, 9)]:
+        blend = (1 - weights[k]) * _softmax(logits, TEMPERATURES[j]) + weights[k] * linears[i]
+        assert np.isclose(losses[i, j, k], log_loss(y, blend, labels=range(4)), rtol=1e-12)
 
 
 def test_the_regressor_holds_out_a_random_fifth_capped_at_calibration_rows():
