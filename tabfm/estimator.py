@@ -595,10 +595,10 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
 
         truth = np.arange(len(held)), y[held]
-        model = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
+        ensemble = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
 
         def losses(linears: list[np.ndarray]) -> np.ndarray:  # [candidates, temperatures, weights]
-            return calibration.blend_losses(model, np.stack([linear[truth] for linear in linears]), weights)
+            return calibration.blend_losses(ensemble, np.stack([linear[truth] for linear in linears]), weights)
 
         weights, linears, choices = np.zeros(1), [np.zeros((len(held), K))], [LinearChoice("plain", LOGISTIC_CS[0])]
         if self.linear_blend and len(np.unique(y[keep])) > 1:
