@@ -25,7 +25,7 @@ The classifier cannot hand the model residuals of class labels, so it blends ins
 probabilities + w * a logistic regression's, w fitted with the softmax temperature on the calibration's held-out
 rows (TabFMClassifier, linear_blend); w stays 0 where the held-out rows do not prefer the blend. How the
 logistic regression sees the numeric columns (LINEAR_VIEWS: as they are, Yeo-Johnson transformed, with hinge
-columns) is chosen there too.
+columns) and its penalty (LOGISTIC_CS) are chosen there too.
 
 Everything here is float64 numpy over the preprocessed cells (tabfm.preprocess.Cells), in the normalised target
 units of tabfm.target_transform.TargetScale, and the fitted base is a handful of arrays (saved as such).
