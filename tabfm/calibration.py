@@ -134,10 +134,9 @@ def blend_losses(model: np.ndarray, linears: np.ndarray, weights: np.ndarray) ->
     return -np.log(np.clip(mix, 1e-15, None)).mean(-1)
 
 
-def fit_temperature_and_blend(proba_at: Callable[[float], np.ndarray], linear: np.ndarray, y: np.ndarray,
-                              weights: np.ndarray) -> tuple[float, float]:
-    """(temperature, weight) of TEMPERATURES x `weights` that minimise blend_losses; ties go to the lowest
-    temperature, then the lowest weight."""
-    losses = blend_losses(true_class_probabilities(proba_at, y), linear[np.arange(len(y)), y][None], weights)[0]
-    t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
-    return float(TEMPERATURES[t]), float(weights[w])
+def best_blend(ensemble: np.ndarray, linears: np.ndarray, weights: np.ndarray) -> tuple[int, float, float]:
+    """(linear model, temperature, weight) of the smallest blend_losses (arguments as there); ties go to the
+    first linear model, then the lowest temperature, then the lowest weight."""
+    losses = blend_losses(ensemble, linears, weights)
+    i, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
+    return int(i), float(TEMPERATURES[t]), float(weights[w])

@@ -594,27 +594,22 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         keep = np.setdiff1d(np.arange(len(y)), held)
         held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
 
-        truth = np.arange(len(held)), y[held]
+        truth = np.arange(len(held)), y[held]  # the log-loss reads each held row's true class only
         ensemble = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
-
-        def losses(linears: list[np.ndarray]) -> np.ndarray:  # [candidates, temperatures, weights]
-            return calibration.blend_losses(ensemble, np.stack([linear[truth] for linear in linears]), weights)
-
-        weights, linears, choices = np.zeros(1), [np.zeros((len(held), K))], [LinearChoice("plain", LOGISTIC_CS[0])]
+        weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
         if self.linear_blend and len(np.unique(y[keep])) > 1:
             weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
             views = LINEAR_VIEWS if len(design.numeric) else LINEAR_VIEWS[:1]  # else every view is the same
             firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
                                                LOGISTIC_CS[0]) for view in views]
-            linears = [model.predict_proba(held_cells) for model in firsts]
-            best = int(losses(linears).reshape(len(views), -1).min(1).argmin())
+            linears = [model.predict_proba(held_cells)[truth] for model in firsts]
+            best = calibration.best_blend(ensemble, np.stack(linears), weights)[0]
             models = [firsts[best]] + [LogisticModel.fit_design(keep_cells, y[keep], K, firsts[best].design, C,
                                                                 start=firsts[best]) for C in LOGISTIC_CS[1:]]
-            linears = [linears[best]] + [model.predict_proba(held_cells) for model in models[1:]]
+            linears = [linears[best]] + [model.predict_proba(held_cells)[truth] for model in models[1:]]
             choices = [LinearChoice(views[best], C, model) for C, model in zip(LOGISTIC_CS, models, strict=True)]
-        scores = losses(linears)
-        choice, t, w = np.unravel_index(int(np.argmin(scores)), scores.shape)
-        return float(calibration.TEMPERATURES[t]), float(weights[w]), choices[choice]
+        choice, temperature, weight = calibration.best_blend(ensemble, np.stack(linears), weights)
+        return temperature, weight, choices[choice]
 
     def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, LinearChoice]:
         """(softmax temperature, blend weight, LinearChoice) from the calibration rows `held`

@@ -8,8 +8,8 @@ import numpy as np
 from scipy.stats import norm
 from sklearn.metrics import log_loss
 
-from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, blend_losses,
-                               calibration_members, correction_weight, fit_temperature_and_blend, held_members,
+from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, best_blend, blend_losses,
+                               calibration_members, correction_weight, held_members,
                                held_out_rows, held_out_targets, spread_factor, true_class_probabilities)
 
 
@@ -37,7 +37,8 @@ def test_the_temperature_that_generated_the_labels_is_recovered():
     truth_t = TEMPERATURES[25]
     p = _softmax(logits, truth_t)
     y = np.array([rng.choice(3, p=row) for row in p])
-    t, w = fit_temperature_and_blend(lambda t: _softmax(logits, t), np.zeros_like(p), y, np.zeros(1))
+    _, t, w = best_blend(true_class_probabilities(lambda t: _softmax(logits, t), y), np.zeros((1, len(y))),
+                         np.zeros(1))
     assert w == 0.0 and abs(np.log(t) - np.log(truth_t)) < 0.15      # within about two grid steps
 
 
@@ -45,7 +46,8 @@ def test_the_blend_goes_to_the_better_model_and_ties_to_the_lowest_values():
     y = np.array([0, 1] * 50)
     good = np.eye(2)[y] * 0.9 + 0.05                                   # the linear model is right
     coin = np.full((100, 2), 0.5)                                      # the ensemble knows nothing, at any t
-    t, w = fit_temperature_and_blend(lambda t: coin, good, y, np.linspace(0.0, 0.9, 10))
+    _, t, w = best_blend(true_class_probabilities(lambda t: coin, y), good[np.arange(100), y][None],
+                         np.linspace(0.0, 0.9, 10))
     assert w == 0.9 and t == TEMPERATURES[0]                           # every t ties: the lowest
 
 
