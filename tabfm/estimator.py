@@ -46,7 +46,7 @@ from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # 
                                    shared_plain_model)
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
-from tabfm.linear_base import LINEAR_VIEWS, LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
+from tabfm.linear_base import LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
@@ -599,7 +599,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
         if self.linear_blend and len(np.unique(y[keep])) > 1:
             weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
-            views = LINEAR_VIEWS if len(design.numeric) else LINEAR_VIEWS[:1]  # else every view is the same
+            views = design.views()
             firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
                                                LOGISTIC_CS[0]) for view in views]
             linears = [model.predict_proba(held_cells)[truth] for model in firsts]

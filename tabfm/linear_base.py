@@ -137,6 +137,15 @@ class LinearDesign:
             return self.with_hinges(cells)
         return self
 
+    def views(self, rows: int | None = None) -> list[str]:
+        """The LINEAR_VIEWS that differ on this design: "plain", and the others only where it has numeric
+        columns (viewed gives the design itself otherwise); "hinges" only where its design of `rows` rows stays
+        within HINGE_CELLS (None: no limit)."""
+        if not len(self.numeric):
+            return ["plain"]
+        too_wide = rows is not None and rows * (self.width + len(self.numeric) * HINGE_KNOTS) > HINGE_CELLS
+        return [v for v in LINEAR_VIEWS if not (v == "hinges" and too_wide)]
+
     def with_numeric_map(self, cells) -> LinearDesign:
         """This design with its numeric columns Yeo-Johnson transformed, the transform fitted on `cells` (the
         train rows); itself where there is no numeric column."""
@@ -221,10 +230,7 @@ class LinearBase:
             return base, np.full(len(u), base.intercept)
         power = TargetTransform("power").fit(u)
         targets = [(None, u)] + ([(power, power.transform(u))] if power.impl_ is not None else [])
-        too_wide = len(u) * (design.width + len(design.numeric) * HINGE_KNOTS) > HINGE_CELLS
-        views = [v for v in LINEAR_VIEWS  # the other views need numeric columns; hinges, room for their ridge
-                 if v == "plain" or (len(design.numeric) and not (v == "hinges" and too_wide))]
-        designs = [design.viewed(v, cells) for v in views]
+        designs = [design.viewed(v, cells) for v in design.views(len(u))]  # hinges where their ridge has room
         candidates = []
         for d in designs:
             D = d(cells)

@@ -11,7 +11,8 @@ from sklearn.linear_model import LogisticRegression, RidgeCV
 from sklearn.metrics import log_loss, r2_score
 
 from tabfm import TabFMClassifier, TabFMRegressor
-from tabfm.linear_base import ALPHAS, LOGISTIC_CS, MIN_ROWS, LinearBase, LinearDesign, LogisticModel
+from tabfm.linear_base import (ALPHAS, HINGE_CELLS, HINGE_KNOTS, LINEAR_VIEWS, LOGISTIC_CS, MIN_ROWS, LinearBase,
+                               LinearDesign, LogisticModel)
 from tabfm.preprocess import TablePreprocessor
 
 
@@ -125,6 +126,18 @@ def test_logistic_model_on_transformed_columns_fits_a_boundary_curved_in_the_col
     assert loss["mapped"] < 0.8 * loss["plain"], loss  # 0.16 against 0.31
     with pytest.raises(ValueError, match="view must be one of"):
         LogisticModel.fit(cells, y[:700], 2, view="log")
+
+
+def test_a_design_offers_the_views_that_differ_and_hinges_where_they_fit():
+    X, _ = _linear_table(200)
+    design = LinearDesign.fit(_cells(X))
+    assert design.views() == list(LINEAR_VIEWS) == design.views(200)
+    per_row = design.width + len(design.numeric) * HINGE_KNOTS
+    assert design.views(HINGE_CELLS // per_row) == list(LINEAR_VIEWS)
+    assert design.views(HINGE_CELLS // per_row + 1) == ["plain", "power"]  # the hinge design would not fit
+    categorical = LinearDesign.fit(_cells(X[["shelf"]]))
+    assert categorical.views() == ["plain"]  # no numeric column: every view is the plain design
+    assert all(categorical.viewed(v, _cells(X[["shelf"]])) is categorical for v in LINEAR_VIEWS)
 
 
 def test_logistic_model_on_hinge_columns_fits_a_band_along_a_column():
