@@ -599,7 +599,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
         if self.linear_blend and len(np.unique(y[keep])) > 1:
             weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
-            views = design.views()
+            views = design.views(len(keep))  # hinges where their lbfgs has room, as the ridge's
             firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
                                                LOGISTIC_CS[0]) for view in views]
             linears = [model.predict_proba(held_cells)[truth] for model in firsts]

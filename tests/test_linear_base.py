@@ -363,6 +363,25 @@ def test_held_rows_choose_the_weakest_penalty_for_a_boundary_without_noise(seed)
     assert weight > 0 and (choice.view, choice.C) == ("plain", max(LOGISTIC_CS))
 
 
+def test_the_classifiers_logistic_regression_skips_hinges_past_hinge_cells(monkeypatch):
+    """The classifier's logistic regression tries the hinge view only where its design of the kept rows stays
+    within HINGE_CELLS, as the ridge does: its lbfgs would be the fit's largest cost past that."""
+    from tabfm import calibration, linear_base
+
+    X, y = _wide_linear_classes(400, seed=2)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1).fit(X, y)
+    held = calibration.held_out_rows(y, 2, np.random.default_rng(2))
+    tried = []
+    real = LinearDesign.viewed
+    monkeypatch.setattr(LinearDesign, "viewed", lambda self, view, cells: tried.append(view) or real(self, view, cells))
+    clf._fit_temperature(np.zeros((1, len(held), 2)), held)
+    assert tried == list(LINEAR_VIEWS)
+    tried.clear()
+    monkeypatch.setattr(linear_base, "HINGE_CELLS", len(y) - len(held))  # under one column of the kept rows
+    clf._fit_temperature(np.zeros((1, len(held), 2)), held)
+    assert tried == ["plain", "power"]
+
+
 def test_save_and_load_keep_the_blend(tmp_path):
     X, y = _wide_linear_classes(300, seed=5)
     clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:250], y[:250])
