@@ -454,7 +454,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
         How categorical columns are shown, cycled over the members: the model's hashed category embedding, the
         category's code as a number, or 0/1 columns (columns of at most 10 categories). The shipped model reads
-        codes as numbers far better than through its embedding (README, "Accuracy").
+        codes as numbers far better than through its embedding (docs/accuracy.md, "How the default got here").
     max_features : int or None, default=24
         Each member of a table with more kept columns sees a random subset of this many (the members together
         see every column, or, on tables wider than n_estimators x max_features, the columns that explain most
