@@ -114,12 +114,17 @@ class Speed:
         return self.fit_s + self.predict_s
 
 
+CONTEXTS = {"local": {}, "mixed": {"mix_contexts": True}, "global": {"local_context_rows": None}}
+"""The speed table's context settings: local contexts (the default), local with a row near an edge mixed from two
+(mix_contexts=True), one context of all train rows per member (the reference)."""
+
+
 def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool,
-                   local: bool = True) -> tuple[Speed, TabFMClassifier]:
+                   context: str = "local") -> tuple[Speed, TabFMClassifier]:
     """Fit + predict_proba, best total of `repeats` after one warm-up; the fitted estimator of the last run.
-    local=False: one context of all train rows per member (local_context_rows=None)."""
+    context: a key of CONTEXTS."""
     X_train, y_train, X_test, y_test = data
-    extra = {} if local else {"local_context_rows": None}
+    extra = CONTEXTS[context]
     est = TabFMClassifier(n_estimators=n_estimators, calibrate=calibrate, **extra)
     est.fit(X_train, y_train).predict_proba(X_test)  # warm-up: loads the model, first-call kernel setup
     best: Speed | None = None
@@ -138,25 +143,30 @@ def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool
 @torch.no_grad()
 def full_forward_proba(est: TabFMClassifier, X_test: np.ndarray) -> np.ndarray:
     """predict_proba without the cache: per context, one forward of its train rows followed by the test rows it
-    predicts (all of them, or with local contexts those routed to it; n_train = the context's rows),
-    preprocessed exactly as the fitted estimator does it."""
+    predicts (all of them, or with local contexts those routed to it, first or second; n_train = the context's
+    rows), preprocessed exactly as the fitted estimator does it, the two contexts of a row mixed as it mixes them."""
     model = est._model()
     test = est.preprocessor_.transform(X_test)
     n_train, n_test = est.context_rows_.shape[1], len(test.values)
-    route = None if est.local_ is None else est.local_.route(test)
-    logp = np.empty((est.n_members_, n_test, est.n_groups_))
-    for u, m in enumerate(est.context_members_):
-        rows = np.arange(n_test) if route is None else np.flatnonzero(route[m] == u)
-        if not len(rows):
-            continue
-        train = est._unit_values(est.train_cells_, np.array([u]), est.context_rows_[[u]])
-        tested = est._unit_values(test, np.array([u]), rows[None])
-        parts = {k: torch.cat([train[k], tested[k]], 1) if k in ("values", "missing", "cat_codes") else train[k]
-                 for k in train}
-        labels = torch.from_numpy(est._member_labels(m, est.y_train_[est.context_rows_[u]]))[None]
-        labels = torch.cat([labels, torch.full((1, len(rows)), IGNORE_LABEL)], 1)
-        logits = model(est._batch(parts, labels, n_train, est.n_groups_))[0, n_train:].double()
-        logp[m, rows] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
+    routes = [None] if est.local_ is None else est.local_.routes(test)
+    outputs = []
+    for i, route in enumerate(routes[:2] if est._mixes_contexts() else routes[:1]):  # the second pass: only the rows the estimator mixes
+        logp = np.zeros((est.n_members_, n_test, est.n_groups_))
+        for u, m in enumerate(est.context_members_):
+            wanted = True if i == 0 else routes[2][m] > 0
+            rows = np.arange(n_test) if route is None else np.flatnonzero((route[m] == u) & wanted)
+            if not len(rows):
+                continue
+            train = est._unit_values(est.train_cells_, np.array([u]), est.context_rows_[[u]])
+            tested = est._unit_values(test, np.array([u]), rows[None])
+            parts = {k: torch.cat([train[k], tested[k]], 1) if k in ("values", "missing", "cat_codes") else train[k]
+                     for k in train}
+            labels = torch.from_numpy(est._member_labels(m, est.y_train_[est.context_rows_[u]]))[None]
+            labels = torch.cat([labels, torch.full((1, len(rows)), IGNORE_LABEL)], 1)
+            logits = model(est._batch(parts, labels, n_train, est.n_groups_))[0, n_train:].double()
+            logp[m, rows] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
+        outputs.append(logp)
+    logp = outputs[0] if len(outputs) == 1 else est._mix_contexts(*outputs, routes[2])
     return est._blend(est._combine(logp, est.temperature_), test)  # the same decoding, temperature and blend
 
 
@@ -178,27 +188,31 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
         f"{TabFMClassifier().batch_size}; best of {repeats} after a warm-up (default n_estimators = {default})")
     log(f"{'n_est':>5} {'cal':>3} {'context':>7} {'fit s':>7} {'predict s':>9} {'total s':>8} {'acc':>6} | "
         f"{'no-cache fwd s':>14} {'/predict':>8} {'/total':>7} {'max|dp|':>8}")
-    totals: dict[tuple[int, bool, bool], float] = {}
-    settings = [(n, c, True) for n in sorted(set(estimators) | {default}) for c in (True, False)]
-    settings += [(default, c, False) for c in (True, False)]  # the reference: one global context per member
-    for n, calibrate, local in settings:
-        speed, est = time_estimator(n, data, repeats, calibrate, local)
+    totals: dict[tuple[int, bool, str], float] = {}
+    settings = [(n, c, "local") for n in sorted(set(estimators) | {default}) for c in (True, False)]
+    settings += [(default, True, "mixed")]
+    settings += [(default, c, "global") for c in (True, False)]  # the reference: one global context per member
+    for n, calibrate, context in settings:
+        speed, est = time_estimator(n, data, repeats, calibrate, context)
         full_s, diff = time_full_forward(est, data[2], repeats)
-        totals[n, calibrate, local] = speed.total_s
-        mark = " (default)" if n == default and calibrate and local else ""
-        log(f"{n:>5} {'yes' if calibrate else 'no':>3} {'local' if local else 'global':>7} {speed.fit_s:>7.3f} "
+        totals[n, calibrate, context] = speed.total_s
+        mark = " (default)" if n == default and calibrate and context == "local" else ""
+        log(f"{n:>5} {'yes' if calibrate else 'no':>3} {context:>7} {speed.fit_s:>7.3f} "
             f"{speed.predict_s:>9.3f} {speed.total_s:>8.3f} {speed.accuracy:>6.3f} | {full_s:>14.3f} "
             f"{full_s / speed.predict_s:>7.2f}x {full_s / speed.total_s:>6.2f}x {diff:>8.1e}{mark}")
     log("no-cache fwd = one full forward per context of its train rows then the test rows it predicts (with local")
     log("contexts, those routed to it) incl. the test rows' preprocessing; /predict = what each predict call saves with the cache,")
     log("/total = against fit + predict (one predict per fit: the cache pays off from the second predict on);")
     log("max|dp| = largest difference between its probabilities and predict_proba's; cal = calibrate (the")
-    log("classifier's temperature fitted on held-out train rows at fit: about half of one more context encoding).")
+    log("classifier's temperature fitted on held-out train rows at fit: about half of one more context encoding);")
+    log("mixed = local contexts with mix_contexts=True (a row near an edge also predicted from a second context).")
+    ratio = totals[default, True, "mixed"] / totals[default, True, "local"]
+    log(f"default n_estimators, calibrate=True: mix_contexts=True / the default = {ratio:.2f}x the time")
     for calibrate in (True, False):
-        ratio = totals[default, calibrate, False] / totals[default, calibrate, True]
+        ratio = totals[default, calibrate, "global"] / totals[default, calibrate, "local"]
         log(f"default n_estimators, calibrate={calibrate}: global contexts / local contexts = {ratio:.2f}x the time")
     for calibrate in (True, False):
-        total = totals[default, calibrate, True]
+        total = totals[default, calibrate, "local"]
         log(f"target: 1,000-row case (default n_estimators={default}, calibrate={calibrate}) under "
             f"{TARGET_SECONDS:g} s on this machine: {'MET' if total < TARGET_SECONDS else 'MISSED'} ({total:.3f} s)")
 

@@ -211,22 +211,38 @@ class LocalContexts:
         return (z * self.weight).astype(np.float32)
 
     def route(self, cells: Cells, points: torch.Tensor | None = None) -> np.ndarray:
-        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from. points: this
-        object's `points` as a tensor on the device to search on, where the caller keeps one across calls (the
-        estimator does, per predict call); None: searched on the CPU."""
+        """[M, n] the context (an index into `rows`) each member predicts each row of `cells` from: the first of
+        `routes`."""
+        return self.routes(cells, points)[0]
+
+    def routes(self, cells: Cells, points: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first [M, n], second [M, n], share [M, n]): per member and row of `cells`, the context home to most of
+        its ROUTE_NEIGHBOURS nearest train rows, the context home to the next most, and the second's share of
+        the two's votes (0 where one context is home to all of them; second is then first). A row near the edge
+        of its context is predicted from both, weighted by their votes (the estimators' second-context mixture).
+        points: this object's `points` as a tensor on the device to search on, where the caller keeps one across
+        calls (the estimator does, per predict call); None: searched on the CPU."""
         points = torch.from_numpy(self.points) if points is None else points
         k = min(ROUTE_NEIGHBOURS, len(points))
         _, near = _nearest(torch.from_numpy(self.space(cells)).to(points.device), points, k)
         near = near.cpu().numpy()                                               # [n, k], nearest first
         weight = 1.0 + 1e-3 * (k - np.arange(k))                               # ties go to the nearer rows' home
-        out = np.empty((len(self.home), len(near)), np.int64)
+        n, rows = len(near), np.arange(len(near))
+        first, second = np.empty((len(self.home), n), np.int64), np.empty((len(self.home), n), np.int64)
+        share = np.zeros((len(self.home), n))
         for m, home in enumerate(self.home):
-            first = int(np.flatnonzero(self.members == m)[0])
-            local = home[near] - first                                          # [n, k] this member's contexts
-            votes = np.zeros((len(near), int((self.members == m).sum())))
-            np.add.at(votes, (np.arange(len(near))[:, None], local), weight[None])
-            out[m] = first + votes.argmax(1)
-        return out
+            start = int(np.flatnonzero(self.members == m)[0])
+            votes = np.zeros((n, int((self.members == m).sum())))
+            np.add.at(votes, (rows[:, None], home[near] - start), weight[None])  # this member's contexts
+            order = np.argsort(-votes, axis=1, kind="stable")[:, :2]
+            first[m] = start + order[:, 0]
+            if votes.shape[1] < 2:
+                second[m] = first[m]
+                continue
+            top, next_ = votes[rows, order[:, 0]], votes[rows, order[:, 1]]
+            second[m] = np.where(next_ > 0, start + order[:, 1], first[m])
+            share[m] = next_ / (top + next_)
+        return first, second, share
 
 
 def _anchors(points: torch.Tensor, rows: int, rng: np.random.Generator) -> torch.Tensor:

@@ -14,7 +14,7 @@ from builders import mixed_frame
 
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
-from tabfm.local_context import (OVERLAP, SPACE_LIMIT, LocalContexts, _kmeans, column_relevance,
+from tabfm.local_context import (OVERLAP, ROUTE_NEIGHBOURS, SPACE_LIMIT, LocalContexts, _kmeans, column_relevance,
                                  padded_chunks)
 from tabfm.preprocess import TablePreprocessor
 
@@ -128,21 +128,26 @@ def _table(n, seed=0):
     return df, y, df["x"].to_numpy() * 2 + (y == "yes") + df["noise"].to_numpy() / 100
 
 
-@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
-def test_each_test_row_is_predicted_from_its_routed_context(Est):
+@pytest.mark.parametrize("Est, mix", [(TabFMClassifier, False), (TabFMClassifier, True), (TabFMRegressor, False)])
+def test_each_test_row_is_predicted_from_its_routed_contexts(Est, mix):
     """One member, float64: the estimator's output for a test row is the model run on the train rows of the
-    context the row is routed to, followed by that row (no cache)."""
+    context the row is routed to, followed by that row (no cache); with mix_contexts (the classifier's), where
+    the row has a second context, the mixture of both contexts' class probabilities weighted by their votes."""
     df, y, target = _table(160, seed=3)
     labels = y if Est is TabFMClassifier else target
-    kwargs = dict(calibrate=False, linear_blend=False) if Est is TabFMClassifier else dict(linear_base=False)
+    kwargs = (dict(calibrate=False, linear_blend=False, mix_contexts=mix) if Est is TabFMClassifier
+              else dict(linear_base=False))
     est = Est(n_estimators=1, local_context_rows=40, dtype="float64", **kwargs).fit(df[:120], labels[:120])
     assert est.local_ is not None and len(est.context_rows_) == math.ceil(OVERLAP * 120 / 40)
     test_cells = est._cells_of(df[120:])
-    route = est.local_.route(test_cells)[0]
+    first, second, share = (a[0] for a in est.local_.routes(test_cells))
+    np.testing.assert_array_equal(first, est.local_.route(test_cells)[0])
+    assert 0 < (share > 0).sum() < 40  # rows near an edge and rows inside one context, both checked
     got = est.predict_proba(df[120:]) if Est is TabFMClassifier else est.predict(df[120:])
     model = est._model()
-    for i in range(40):  # every row: rows of one padded group come from contexts in any order
-        u = int(route[i])
+
+    def alone(i: int, u: int) -> torch.Tensor:
+        """The model's logits of test row i after the train rows of context u."""
         train = est._unit_values(est.train_cells_, np.array([u]), est.context_rows_[[u]])
         row = est._unit_values(test_cells, np.array([u]), np.array([[i]]))
         parts = {k: torch.cat([train[k], row[k]], 1) if train[k].dim() == 3 else train[k] for k in train}
@@ -153,13 +158,46 @@ def test_each_test_row_is_predicted_from_its_routed_context(Est):
             lab = torch.cat([torch.from_numpy(y_ctx), torch.zeros(1, dtype=torch.float64)])[None]
         batch = est._batch(parts, lab, 40, est._n_outputs())
         with torch.no_grad():
-            logits = model(batch)[0, -1].double()
+            return model(batch)[0, -1].double()
+
+    for i in range(40):  # every row: rows of one padded group come from contexts in any order
+        u = int(first[i])
         if Est is TabFMClassifier:
-            want = logits[:est.n_groups_].softmax(-1).numpy()
+            want = alone(i, u)[:est.n_groups_].softmax(-1).numpy()
+            if mix and share[i] > 0:
+                assert second[i] != u
+                other = alone(i, int(second[i]))[:est.n_groups_].softmax(-1).numpy()
+                want = (1 - share[i]) * want + share[i] * other
             np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-10)
         else:
-            want = logits.softmax(-1).numpy() @ est.bin_points_y_[u].mean(-1)
+            want = alone(i, u).softmax(-1).numpy() @ est.bin_points_y_[u].mean(-1)
             np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_row_is_shared_between_two_contexts_by_their_votes():
+    """routes: the first context is home to most of a row's ROUTE_NEIGHBOURS nearest train rows, the second to
+    the next most, and the second's share is its part of the two's votes (0, second = first, for a row whose
+    neighbours all live in one context)."""
+    rng = np.random.default_rng(3)
+    cells = _cells(rng.normal(size=(500, 2)))
+    local = LocalContexts.fit(cells, np.ones((500, 1)), n_members=2, rows=64, rng=rng)
+    test = _cells(rng.normal(size=(300, 2)))
+    first, second, share = local.routes(test)
+    near = torch.cdist(torch.from_numpy(local.space(test)).double(),
+                       torch.from_numpy(local.points).double()).topk(ROUTE_NEIGHBOURS, largest=False).indices.numpy()
+    for m in range(2):
+        homes = local.home[m][near]  # [300, k] the home context of each neighbour
+        votes = np.stack([(homes == u).sum(1) for u in range(len(local.rows))], 1)
+        top = votes.max(1)
+        assert np.array_equal(votes[np.arange(300), first[m]], top)
+        one = share[m] == 0
+        assert np.array_equal(one, (votes > 0).sum(1) == 1) and np.array_equal(second[m][one], first[m][one])
+        runner_up = np.sort(votes, 1)[:, -2]
+        assert np.array_equal(votes[np.arange(300), second[m]][~one], runner_up[~one])
+        np.testing.assert_allclose(share[m], runner_up / (top + runner_up), atol=4e-3)  # tie weights: within 1.5%
+        assert (share[m] <= 0.5 + 1e-3).all() and 0.1 < one.mean() < 0.9
+    assert (local.members[first] == np.arange(2)[:, None]).all()  # each member's own contexts
+    assert (local.members[second] == np.arange(2)[:, None]).all()
 
 
 @pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
@@ -191,11 +229,13 @@ def test_small_tables_keep_one_context_per_member():
 def test_saved_estimator_with_local_contexts_predicts_the_same(tmp_path):
     df, y, target = _table(200, seed=6)
     for est, X_fit in ((TabFMClassifier(n_estimators=2, local_context_rows=60).fit(df[:150], y[:150]), df),
+                       (TabFMClassifier(n_estimators=2, local_context_rows=60, mix_contexts=True)
+                        .fit(df[:150], y[:150]), df),
                        (TabFMRegressor(n_estimators=2, local_context_rows=60).fit(df[:150], target[:150]), df)):
-        path = tmp_path / type(est).__name__
+        path = tmp_path / f"{type(est).__name__}{len(list(tmp_path.iterdir()))}"
         est.save(path)
         loaded = type(est).load(path)
-        assert loaded.local_ is not None
+        assert loaded.local_ is not None and loaded.get_params() == est.get_params()
         if isinstance(est, TabFMClassifier):
             np.testing.assert_array_equal(loaded.predict_proba(X_fit[150:]), est.predict_proba(X_fit[150:]))
         else:
