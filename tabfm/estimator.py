@@ -334,9 +334,10 @@ class _TabFMBase(BaseEstimator):
 
     def _cell_outputs(self, cells: Cells, finalize=None, members: int | None = None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
-        probabilities), or finalize(outputs, contexts) of each test batch concatenated over the batches, where
-        contexts [M, rows] says which context (index into context_rows_) each member predicted each row from;
-        members: only the first this many members (M of them), where not all."""
+        probabilities), or finalize(outputs, contexts, weights) of each test batch concatenated over the batches,
+        where contexts [K, rows] says which context (index into context_rows_) each output [K, rows, Y] came from
+        and weights [K, rows] its weight in the average (None: equal; the regressor's second-context mixture
+        gives K = 2M weighted outputs); members: only the first this many members (M of them), where not all."""
         if self.contexts_ is None:  # after unpickling: the caches are rebuilt, not stored
             self._encode_contexts()
         model = self._model()
@@ -349,24 +350,25 @@ class _TabFMBase(BaseEstimator):
         starts = range(0, n, self.batch_size)
         for start in tqdm(starts, desc="predict", unit="batch", disable=not self.verbose or len(starts) < 2):
             sub = cells.take(slice(start, start + self.batch_size))
-            out, units = self._batch_outputs(model, sub, train_points, members)
-            results.append(out if finalize is None else finalize(out, units))
+            out, units, weights = self._batch_outputs(model, sub, train_points, members)
+            if finalize is None and weights is not None:
+                raise ValueError("weighted outputs need a finalize that reads their weights")
+            results.append(out if finalize is None else finalize(out, units, weights))
             self._release_heap()
         return np.concatenate(results, axis=0 if finalize is not None else 1)
 
     def _mixes_contexts(self) -> bool:
         """Whether a test row near the edge of its local context is also predicted from each member's second
-        context (LocalContexts.routes), the two mixed by _mix_contexts: the classifier's mix_contexts; the
-        regressor's contexts each have bins of their own, so its distributions do not mix that way."""
-        return False
+        context (LocalContexts.routes), the two mixed by _mix_contexts: the mix_contexts parameter."""
+        return bool(getattr(self, "mix_contexts", False))  # an estimator pickled before the parameter: as it was
 
     def _batch_outputs(self, model: TabFM, cells: Cells, train_points: torch.Tensor | None,
-                       members: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(outputs [M, n, Y], contexts [M, n]) of one test batch: every row against each member's one context,
-        or with local contexts against the context each member routes it to (tabfm.local_context; train_points:
-        its `points` on device_), and where _mixes_contexts also against its second context, the two mixed by
-        their votes (contexts: the first); the forwards spread over the table threads. members: the first M
-        members only (None: all)."""
+                       members: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(outputs [M, n, Y], contexts [M, n], None) of one test batch: every row against each member's one
+        context, or with local contexts against the context each member routes it to (tabfm.local_context;
+        train_points: its `points` on device_); where _mixes_contexts also against its second context, the two
+        mixed by _mix_contexts. The forwards spread over the table threads. members: the first M members only
+        (None: all)."""
         n, M = len(cells.values), self.n_members_ if members is None else members
         route = second = share = None
         if self.local_ is not None:
@@ -418,11 +420,13 @@ class _TabFMBase(BaseEstimator):
                 out[m, r[:f]] = res[j, :f]
                 if f < len(r):
                     also[m, r[f:]] = res[j, f:len(r)]
-        return (self._mix_contexts(out, also, share) if mixing else out), units_of
+        return self._mix_contexts(out, also, share, route, second) if mixing else (out, units_of, None)
 
-    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray) -> np.ndarray:
+    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray, first_units: np.ndarray,
+                      second_units: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Hook (where _mixes_contexts()): the members' outputs [M, n, Y] from the rows' first and second contexts
-        mixed, the second weighted by share [M, n]."""
+        (first_units, second_units [M, n]), the second weighted by share [M, n], as _batch_outputs returns them:
+        (outputs [K, n, Y], contexts [K, n], each output's weight [K, n] in the average, or None: equal)."""
         raise NotImplementedError
 
     def _context_outputs(self, model: TabFM, context: Context, parts: dict[str, Any]) -> np.ndarray:
@@ -695,17 +699,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             proba = np.exp(logp_c - logp_c.max(1, keepdims=True))
         return proba / proba.sum(1, keepdims=True)
 
-    def _mixes_contexts(self) -> bool:
-        return bool(getattr(self, "mix_contexts", False))  # an estimator pickled before the parameter: as it was
-
-    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray) -> np.ndarray:
+    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray, first_units: np.ndarray,
+                      second_units: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
         """Each member's class-group probabilities of a row near the edge of its context: those from its first
-        and second contexts, weighted by their votes (log-probabilities [M, n, G] in and out)."""
+        and second contexts, weighted by their votes (log-probabilities [M, n, G] in and out): one output per
+        member, as without the mixture."""
         mixed = first.copy()
         m, r = np.nonzero(share > 0)
         s = share[m, r][:, None]
         mixed[m, r] = np.logaddexp(first[m, r] + np.log1p(-s), second[m, r] + np.log(s))
-        return mixed
+        return mixed, first_units, None
 
     def _n_outputs(self) -> int:
         return self.n_groups_
@@ -720,7 +723,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
         cells = self._cells_of(X)
-        return self._blend(self._cell_outputs(cells, lambda logp, _: self._combine(logp, self.temperature_)), cells)
+        return self._blend(self._cell_outputs(cells, lambda logp, *_: self._combine(logp, self.temperature_)), cells)
 
     def predict_log_proba(self, X: Any) -> np.ndarray:
         return np.log(np.clip(self.predict_proba(X), 1e-300, None))

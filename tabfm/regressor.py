@@ -31,6 +31,9 @@ from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, ma
 from tabfm.validation import check_real_targets
 
 
+MIX_DEFAULT = False
+"""The regressor's mix_contexts default."""
+
 MAX_TARGET = 1e307
 """Largest target magnitude: the bins of a prediction reach beyond the train targets, and their ends, the ridge's
 part and the model's must all stay below float64's limit (1.8e308)."""
@@ -62,11 +65,15 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         is widened or narrowed by s about its mean, s minimising the rows' pinball loss at six quantile levels
         (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). Only with local
         contexts and at least 4 members; otherwise w = s = 1.
+    mix_contexts : bool, default=MIX_DEFAULT
+        As the classifier's: a test row near the edge of a member's local context is also predicted from that
+        member's second context, and the member's distribution is the mixture of the two (each in its own
+        context's bins), weighted by the votes of the row's 16 nearest train rows.
     """
 
     _task = "regression"
     _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "target_transforms": _VIEW_LIST, "linear_base": ["boolean"],
-                                    "calibrate": ["boolean"]}
+                                    "calibrate": ["boolean"], "mix_contexts": ["boolean"]}
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
@@ -77,7 +84,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256,
                  target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True,
-                 calibrate: bool = True):
+                 calibrate: bool = True, mix_contexts: bool = MIX_DEFAULT):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
@@ -88,6 +95,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.target_transforms = target_transforms
         self.linear_base = linear_base
         self.calibrate = calibrate
+        self.mix_contexts = mix_contexts
 
     @_fit_or_keep
     @_threaded
@@ -118,8 +126,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.correction_weight_, self.spread_ = 1.0, 1.0
         if held_members:
             levels = calibration.SPREAD_LEVELS
-            out = self._cell_outputs(self.train_cells_.take(held), lambda probs, units: np.column_stack(
-                [self._mean_of(probs, units), self._quantiles_of(probs, units, levels)]), members=held_members)
+            out = self._cell_outputs(self.train_cells_.take(held), lambda probs, units, weights: np.column_stack(
+                [self._mean_of(probs, units, weights), self._quantiles_of(probs, units, levels, weights)]),
+                members=held_members)
             mean, quantiles = out[:, 0], out[:, 1:]
             scale = self.target_scale_
             self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
@@ -206,20 +215,34 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                 edges_y.append(np.maximum.accumulate(np.clip(to_y(sub_edges(edges)), -top, top)))
         self.bin_points_y_, self.bin_edges_y_ = np.stack(points), np.stack(edges_y)
 
-    def _quantiles_of(self, probs: np.ndarray, units: np.ndarray, q: np.ndarray) -> np.ndarray:
-        """The quantiles [n, len(q)] of the members' mixture (bin probabilities [M, n, nb], contexts [M, n])."""
-        return mixture_quantiles(list(probs), [self.bin_edges_y_[u] for u in units], q)
+    def _quantiles_of(self, probs: np.ndarray, units: np.ndarray, q: np.ndarray,
+                      weights: np.ndarray | None = None) -> np.ndarray:
+        """The quantiles [n, len(q)] of the mixture of the outputs (bin probabilities [K, n, nb], contexts [K, n],
+        weights [K, n] or None: equal)."""
+        return mixture_quantiles(list(probs), [self.bin_edges_y_[u] for u in units], q, weights)
 
-    def _mean_of(self, probs: np.ndarray, units: np.ndarray) -> np.ndarray:
-        """The ensemble's mean [n] from the members' bin probabilities [M, n, nb] and their rows' contexts [M, n]."""
-        M = len(probs)  # divided before the sum, as in mapped_mean: no overflow for targets near 1e308
-        return np.sum([mapped_mean(probs[m], self.bin_points_y_[units[m]]) / M for m in range(M)], axis=0)
+    def _mean_of(self, probs: np.ndarray, units: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        """The ensemble's mean [n] from the outputs' bin probabilities [K, n, nb], their rows' contexts [K, n] and
+        weights [K, n] (None: equal)."""
+        K = len(probs)  # divided (weighted) before the sum, as in mapped_mean: no overflow for targets near 1e308
+        means = [mapped_mean(probs[k], self.bin_points_y_[units[k]]) for k in range(K)]
+        if weights is None:
+            return np.sum([mean / K for mean in means], axis=0)
+        return np.sum([mean * w for mean, w in zip(means, weights, strict=True)], axis=0)
+
+    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray, first_units: np.ndarray,
+                      second_units: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A row near the edge of a member's context: the member's distribution is the mixture of its first and
+        second contexts' (each in its context's own bins), weighted by their votes: 2M weighted outputs."""
+        M = len(first)
+        weights = np.concatenate([1.0 - share, share]) / M
+        return np.concatenate([first, second]), np.concatenate([first_units, second_units]), weights
 
     @_threaded
     def predict(self, X: Any) -> np.ndarray:
         """[n] predicted targets: the mean of the ensemble's predictive distribution."""
         cells = self._cells_of(X)
-        mean = self._cell_outputs(cells, self._mean_of)
+        mean = self._cell_outputs(cells, self._mean_of)  # finalize(probs, units, weights)
         return mean + self._correction(mean) + self._offset(cells)
 
     @_threaded
@@ -234,8 +257,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                              f"{quantiles!r}")
         # bin_edges_y_ is read when the first batch is finalised: after _cell_outputs has (re-)encoded the contexts
         cells = self._cells_of(X)
-        out = self._cell_outputs(cells, lambda probs, units: np.column_stack([
-            self._quantiles_of(probs, units, q), self._mean_of(probs, units)]))
+        out = self._cell_outputs(cells, lambda probs, units, weights: np.column_stack([
+            self._quantiles_of(probs, units, q, weights), self._mean_of(probs, units, weights)]))
         mean = out[:, -1:]
         spread = getattr(self, "spread_", 1.0)  # 1 in estimators saved before the factor existed
         quantiles = out[:, :-1] if spread == 1.0 else mean + spread * (out[:, :-1] - mean)

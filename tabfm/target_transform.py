@@ -129,8 +129,10 @@ def mapped_mean(probs: np.ndarray, points_y: np.ndarray) -> np.ndarray:
     return (probs * (points_y / points_y.shape[-1]).sum(-1)).sum(-1)
 
 
-def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.ndarray) -> np.ndarray:
-    """Quantiles [n, Q] of the equal-weight mixture of the members' binned distributions.
+def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.ndarray,
+                      weights: np.ndarray | None = None) -> np.ndarray:
+    """Quantiles [n, Q] of the mixture of the members' binned distributions, weighted by weights [K, n] (each
+    row's summing to 1; None: equal weights).
 
     probs[m] [n, nb]: member m's bin probabilities; edges_y[m]: the member's sub-bin edges mapped to target units
     (monotone), [nb * S + 1] shared by all rows or [n, nb * S + 1] per row (a member whose rows came from
@@ -139,13 +141,13 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
     (targets near the float64 limit) are divided by 2^64 first and the quantiles multiplied back, exactly, so that
     the differences of edges cannot overflow."""
     if max(float(np.max(np.abs(e))) for e in edges_y) > 2.0 ** 1000:
-        return 2.0 ** 64 * mixture_quantiles(probs, [np.asarray(e) * 2.0 ** -64 for e in edges_y], q)
+        return 2.0 ** 64 * mixture_quantiles(probs, [np.asarray(e) * 2.0 ** -64 for e in edges_y], q, weights)
     n = probs[0].shape[0]
     edges = [np.broadcast_to(e, (n, np.shape(e)[-1])) for e in edges_y]
     grid = np.ascontiguousarray(np.sort(np.concatenate(edges, axis=1), axis=1))  # [n, G], C order
     cdf = np.zeros_like(grid)
     rows = np.arange(n)[:, None]
-    for p, e in zip(probs, edges, strict=True):
+    for k, (p, e) in enumerate(zip(probs, edges, strict=True)):
         S = (e.shape[1] - 1) // p.shape[1]
         cum = np.concatenate([np.zeros((n, 1)), np.cumsum(np.repeat(p / S, S, axis=1), 1)], 1)  # at edges e
         idx = torch.searchsorted(torch.from_numpy(np.array(e, order="C")), torch.from_numpy(grid), right=True)
@@ -153,8 +155,10 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
         lo, hi = e[rows, idx], e[rows, idx + 1]
         with np.errstate(over="ignore"):  # a point past an empty sub-bin: inf, which the clip makes 1
             frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
-        cdf += cum[rows, idx] + (cum[rows, idx + 1] - cum[rows, idx]) * frac
-    cdf /= len(probs)
+        part = cum[rows, idx] + (cum[rows, idx + 1] - cum[rows, idx]) * frac
+        cdf += part if weights is None else np.asarray(weights[k], np.float64)[:, None] * part
+    if weights is None:
+        cdf /= len(probs)
     out = np.empty((n, len(q)))
     for j, qj in enumerate(np.asarray(q, np.float64)):
         k = np.clip((cdf < qj).sum(1), 1, grid.shape[1] - 1)[:, None]      # first grid point with cdf >= q

@@ -173,6 +173,28 @@ def test_binned_distribution_maps_back_exactly_for_the_identity():
     assert np.allclose(q, [[-4 / 9], [-4 / 9]], atol=1e-12)
 
 
+def test_weighted_mixture_quantiles():
+    """Weights [K, n] per component and row: equal weights give the equal mixture, a weight of 0 drops its
+    component, and a 3:1 mixture of two point-like bins has its quantiles where the weights put them."""
+    rng = np.random.default_rng(1)
+    edges = np.linspace(-4, 4, 9)
+    probs = [rng.dirichlet(np.ones(8), size=4) for _ in range(3)]
+    per = [sub_edges(edges) * s + o for s, o in ((1, 0), (2, 1), (0.5, -3))]
+    q = np.array([0.05, 0.3, 0.5, 0.9])
+    np.testing.assert_allclose(mixture_quantiles(probs, per, q, np.full((3, 4), 1 / 3)),
+                               mixture_quantiles(probs, per, q), rtol=1e-12, atol=1e-12)
+    drop = np.array([[0.4] * 4, [0.0] * 4, [0.6] * 4])
+    np.testing.assert_allclose(mixture_quantiles(probs, per, q, drop),
+                               mixture_quantiles([probs[0], probs[2]], [per[0], per[2]], q, drop[[0, 2]]),
+                               rtol=1e-12, atol=1e-12)
+    one = np.zeros((1, 8))
+    one[0, 0] = 1.0                                                      # all mass in [-4, -3]
+    other = np.zeros((1, 8))
+    other[0, 7] = 1.0                                                    # all mass in [3, 4]
+    got = mixture_quantiles([one, other], [sub_edges(edges)] * 2, np.array([0.375, 0.875]), np.array([[0.75], [0.25]]))
+    np.testing.assert_allclose(got, [[-3.5, 3.5]], atol=1e-12)           # the middle of each component's bin
+
+
 def test_mixture_quantiles_with_edges_per_row_equal_each_row_alone():
     """Members whose rows came from different contexts carry edges per row: each row's quantiles are those of its
     own members' edges, as if it were predicted alone."""

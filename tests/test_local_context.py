@@ -128,15 +128,17 @@ def _table(n, seed=0):
     return df, y, df["x"].to_numpy() * 2 + (y == "yes") + df["noise"].to_numpy() / 100
 
 
-@pytest.mark.parametrize("Est, mix", [(TabFMClassifier, False), (TabFMClassifier, True), (TabFMRegressor, False)])
+@pytest.mark.parametrize("Est, mix", [(TabFMClassifier, False), (TabFMClassifier, True), (TabFMRegressor, False),
+                                      (TabFMRegressor, True)])
 def test_each_test_row_is_predicted_from_its_routed_contexts(Est, mix):
     """One member, float64: the estimator's output for a test row is the model run on the train rows of the
     context the row is routed to, followed by that row (no cache); with mix_contexts (the classifier's), where
-    the row has a second context, the mixture of both contexts' class probabilities weighted by their votes."""
+    the row has a second context, the mixture of both contexts' class probabilities (the regressor's
+    distributions, each in its context's bins) weighted by their votes."""
     df, y, target = _table(160, seed=3)
     labels = y if Est is TabFMClassifier else target
     kwargs = (dict(calibrate=False, linear_blend=False, mix_contexts=mix) if Est is TabFMClassifier
-              else dict(linear_base=False))
+              else dict(linear_base=False, mix_contexts=mix))
     est = Est(n_estimators=1, local_context_rows=40, dtype="float64", **kwargs).fit(df[:120], labels[:120])
     assert est.local_ is not None and len(est.context_rows_) == math.ceil(OVERLAP * 120 / 40)
     test_cells = est._cells_of(df[120:])
@@ -171,6 +173,10 @@ def test_each_test_row_is_predicted_from_its_routed_contexts(Est, mix):
             np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-10)
         else:
             want = alone(i, u).softmax(-1).numpy() @ est.bin_points_y_[u].mean(-1)
+            if mix and share[i] > 0:
+                v = int(second[i])
+                other = alone(i, v).softmax(-1).numpy() @ est.bin_points_y_[v].mean(-1)
+                want = (1 - share[i]) * want + share[i] * other
             np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-10)
 
 
