@@ -10,11 +10,12 @@ precision: fp32 against bf16 autocast, on CPU and on a GPU.
 
 Speed: fit + predict_proba of 1,000 train x 1,000 test rows x 20 numeric features (make_classification,
 seed 0), best of --repeats after one warm-up per setting, for each n_estimators of --estimators and the
-default, and the default with one global context per member (local_context_rows=None, the default before local
-contexts) as the reference, with the ratio. Target: the default estimator's fit + predict under 1 s. Reference
-("no cache"): per context, its train rows followed by the test rows it predicts as one table, run through one full
-model forward, i.e. what every prediction would cost without the cached keys/values; its probabilities are
-checked against predict_proba.
+default, the default without the classifier's second-context mixture (mix_contexts=False), and the default with
+one global context per member (local_context_rows=None, the default before local contexts) as the reference, with
+the ratios. Target: the default estimator's fit + predict under 1 s. Reference
+("no cache"): per context, its train rows followed by the test rows it predicts (first or, mixed, second) as one
+table, run through one full model forward, i.e. what every prediction would cost without the cached keys/values;
+its probabilities are checked against predict_proba.
 
 Memory: for each context size (train rows x 20 features, n_estimators=1), fit + predict_proba of 100 test rows in
 a fresh process (`--one-size ROWS`), reporting the peak resident memory (VmHWM), the baseline before the fit
