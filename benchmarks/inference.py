@@ -151,10 +151,11 @@ def full_forward_proba(est: TabFMClassifier, X_test: np.ndarray) -> np.ndarray:
     n_train, n_test = est.context_rows_.shape[1], len(test.values)
     routes = [None] if est.local_ is None else est.local_.routes(test)
     outputs = []
-    for i, route in enumerate(routes[:2] if est._mixes_contexts() else routes[:1]):  # the second pass: only the rows the estimator mixes
+    passes = routes[:2] if est._mixes_contexts() else routes[:1]
+    for i, route in enumerate(passes):
         logp = np.zeros((est.n_members_, n_test, est.n_groups_))
         for u, m in enumerate(est.context_members_):
-            wanted = True if i == 0 else routes[2][m] > 0
+            wanted = True if i == 0 else routes[2][m] > 0  # the second pass: only the rows the estimator mixes
             rows = np.arange(n_test) if route is None else np.flatnonzero((route[m] == u) & wanted)
             if not len(rows):
                 continue

@@ -234,13 +234,16 @@ class LocalContexts:
             start = int(np.flatnonzero(self.members == m)[0])
             votes = np.zeros((n, int((self.members == m).sum())))
             np.add.at(votes, (rows[:, None], home[near] - start), weight[None])  # this member's contexts
-            order = np.argsort(-votes, axis=1, kind="stable")[:, :2]
-            first[m] = start + order[:, 0]
+            best = votes.argmax(1)                                              # ties: the lower index
+            first[m] = start + best
             if votes.shape[1] < 2:
                 second[m] = first[m]
                 continue
-            top, next_ = votes[rows, order[:, 0]], votes[rows, order[:, 1]]
-            second[m] = np.where(next_ > 0, start + order[:, 1], first[m])
+            top = votes[rows, best]
+            votes[rows, best] = -1.0                                            # the runner-up is the next argmax
+            runner = votes.argmax(1)
+            next_ = votes[rows, runner]
+            second[m] = np.where(next_ > 0, start + runner, first[m])
             share[m] = next_ / (top + next_)
         return first, second, share
 

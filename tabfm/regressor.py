@@ -31,9 +31,6 @@ from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, ma
 from tabfm.validation import check_real_targets
 
 
-MIX_DEFAULT = False
-"""The regressor's mix_contexts default."""
-
 MAX_TARGET = 1e307
 """Largest target magnitude: the bins of a prediction reach beyond the train targets, and their ends, the ridge's
 part and the model's must all stay below float64's limit (1.8e308)."""
@@ -65,7 +62,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         is widened or narrowed by s about its mean, s minimising the rows' pinball loss at six quantile levels
         (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). Only with local
         contexts and at least 4 members; otherwise w = s = 1.
-    mix_contexts : bool, default=MIX_DEFAULT
+    mix_contexts : bool, default=False
         As the classifier's: a test row near the edge of a member's local context is also predicted from that
         member's second context, and the member's distribution is the mixture of the two (each in its own
         context's bins), weighted by the votes of the row's 16 nearest train rows.
@@ -84,7 +81,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                  random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256,
                  target_transforms: tuple[str, ...] = ("none", "power"), linear_base: bool = True,
-                 calibrate: bool = True, mix_contexts: bool = MIX_DEFAULT):
+                 calibrate: bool = True, mix_contexts: bool = False):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,

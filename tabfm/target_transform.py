@@ -147,7 +147,7 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
     grid = np.ascontiguousarray(np.sort(np.concatenate(edges, axis=1), axis=1))  # [n, G], C order
     cdf = np.zeros_like(grid)
     rows = np.arange(n)[:, None]
-    for k, (p, e) in enumerate(zip(probs, edges, strict=True)):
+    for c, (p, e) in enumerate(zip(probs, edges, strict=True)):                # c: the mixture's component
         S = (e.shape[1] - 1) // p.shape[1]
         cum = np.concatenate([np.zeros((n, 1)), np.cumsum(np.repeat(p / S, S, axis=1), 1)], 1)  # at edges e
         idx = torch.searchsorted(torch.from_numpy(np.array(e, order="C")), torch.from_numpy(grid), right=True)
@@ -156,7 +156,7 @@ def mixture_quantiles(probs: list[np.ndarray], edges_y: list[np.ndarray], q: np.
         with np.errstate(over="ignore"):  # a point past an empty sub-bin: inf, which the clip makes 1
             frac = np.clip((grid - lo) / np.maximum(hi - lo, 1e-300), 0, 1)
         part = cum[rows, idx] + (cum[rows, idx + 1] - cum[rows, idx]) * frac
-        cdf += part if weights is None else np.asarray(weights[k], np.float64)[:, None] * part
+        cdf += part if weights is None else np.asarray(weights[c], np.float64)[:, None] * part
     if weights is None:
         cdf /= len(probs)
     out = np.empty((n, len(q)))
