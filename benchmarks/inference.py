@@ -168,7 +168,7 @@ def full_forward_proba(est: TabFMClassifier, X_test: np.ndarray) -> np.ndarray:
             logits = model(est._batch(parts, labels, n_train, est.n_groups_))[0, n_train:].double()
             logp[m, rows] = logits[..., :est.n_groups_].log_softmax(-1).numpy()
         outputs.append(logp)
-    logp = outputs[0] if len(outputs) == 1 else est._mix_contexts(*outputs, routes[2])
+    logp = outputs[0] if len(outputs) == 1 else est._mix_contexts(*outputs, routes[2], routes[0], routes[1])[0]
     return est._blend(est._combine(logp, est.temperature_), test)  # the same decoding, temperature and blend
 
 

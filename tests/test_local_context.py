@@ -289,3 +289,17 @@ def test_values_near_float64_s_limit_are_routed_to_their_edge_without_warnings()
     np.testing.assert_array_equal(route[:, 0], route[:, 2])  # with the largest rows, as 50 deviations is
     np.testing.assert_array_equal(route[:, 1], route[:, 3])
     assert proba[0, 1] > 0.9 and proba[1, 0] > 0.9
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_the_speed_benchmarks_no_cache_reference_predicts_as_the_estimator(mix):
+    """benchmarks/inference.py checks its timings' estimator against full forwards without the cache; that
+    reference must route and mix as predict_proba does (float64: to 1e-10), or its max|dp| column means nothing."""
+    from builders import benchmark_module
+
+    bench = benchmark_module("inference")
+    X, y, X_test, _ = bench.make_data(300, 40, features=4)
+    est = TabFMClassifier(n_estimators=2, local_context_rows=64, dtype="float64", n_jobs=1,
+                          mix_contexts=mix).fit(X, y)
+    assert (est.local_.routes(est._cells_of(X_test))[2] > 0).any()  # some rows do mix
+    np.testing.assert_allclose(bench.full_forward_proba(est, X_test), est.predict_proba(X_test), rtol=0, atol=1e-10)
