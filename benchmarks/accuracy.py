@@ -9,7 +9,9 @@
 Two suites of real tables: `dev` (the 16 of benchmarks/datasets) and `suite2` (the 40 of
 benchmarks/datasets/suite2); each is summarised on its own and together (all 56), since a change that helps
 only 16 tables is not a gain. A third, `large` (15 tables of 4,000-12,000 rows, benchmarks/datasets/large; named
-with --suites large, usually with --folds 1), is the regime of many train rows that the 56 never reach. Every table (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
+with --suites large, usually with --folds 1), is the regime of many train rows that the 56 never reach. A
+fourth, `holdout` (22 tables of 150-3,000 rows, benchmarks/datasets/holdout; named with --suites holdout), is the
+size of the 56 but was never scored while the defaults were chosen on them: the check that they carry over. Every table (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
 stored in its sidecar (`fold_ids`: train on the other folds, test on fold k), so every model sees exactly the
 same splits. Rows whose target is null are dropped. Models, all fitted on the same rows in this one process
 (the scikit-learn baselines with one OpenMP / BLAS thread, tabfm with torch's default threads):
@@ -78,8 +80,10 @@ import machine  # noqa: E402
 from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGRESSORS, Result, _f,  # noqa: E402
                              notes_lines, per_table_lines, read_baselines, report, write_csv)
 
-SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATASETS_DIR / "large"}
-"""Where each suite's tables live ("large" is scored only when named: its tables take minutes each)."""
+SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATASETS_DIR / "large",
+          "holdout": DATASETS_DIR / "holdout"}
+"""Where each suite's tables live ("large" and "holdout" are scored only when named: the large tables take minutes
+each, and the holdout tables are the check that nothing was tuned on)."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
 CURVE_SIZES = (100, 300, 1000)
 
