@@ -375,11 +375,20 @@ def _earlier_results(args: argparse.Namespace, names: list[str], models: list[st
     return per_table, models
 
 
+def _estimator_params(ours: dict[str, Any]) -> dict[str, Any]:
+    """Both estimators' parameters as one dict; a parameter whose defaults differ (mix_contexts) is shown as
+    "classifier value / regressor value", so that neither estimator's value hides the other's."""
+    cls, reg = _ours(TabFMClassifier, ours).get_params(), _ours(TabFMRegressor, ours).get_params()
+    both = {**cls, **reg}
+    return {k: f"{cls[k]} (classifier) / {reg[k]} (regressor)" if k in cls and k in reg and cls[k] != reg[k]
+            else both[k] for k in both}
+
+
 def _output_text(args: argparse.Namespace, tables: dict[str, RealTable], per_table: dict[str, dict[str, Result]],
                  models: list[str], suites: list[str], ours: dict[str, Any], curve: list[str], elapsed: float) -> str:
     """The printed text (and OUT/accuracy.txt): how the run was made (command, machine, tabfm's parameters, where
     the baselines came from), the report, the per-table rows, the curve, the notes and the runtime."""
-    est_params = {**_ours(TabFMClassifier, ours).get_params(), **_ours(TabFMRegressor, ours).get_params()}
+    est_params = _estimator_params(ours)
     shown = ", ".join(f"{k}={v}" for k, v in est_params.items() if k not in ("checkpoint", "verbose"))
     if args.report_only is not None:  # nothing was fitted: the run's parameters and machine are not in the CSV
         made = [f"every model's scores read from {args.report_only} (its run's parameters and machine are not "

@@ -50,3 +50,11 @@ def test_report_only_reads_every_score_and_says_so(monkeypatch, capsys):
     assert "fitted in this run" not in out and "\ntabfm: " not in out and "\nmachine: " not in out
     iris = [line for line in out.splitlines() if line.startswith("| skl_iris |") and "| roc_auc |" in line]
     assert len(iris) == 1 and "| 0.9980 |" in iris[0]  # tabfm's 5-fold ROC-AUC as the CSV holds it (0.99800)
+
+
+def test_run_header_shows_each_estimators_own_default():
+    """The classifier mixes contexts by default and the regressor does not: the header of a run that fits both must
+    say so, not print the regressor's value for both (which it did)."""
+    params = accuracy._estimator_params({})
+    assert params["mix_contexts"] == "True (classifier) / False (regressor)"
+    assert params["local_context_rows"] == 256 and params["linear_base"] is True  # shared, and regressor-only
