@@ -13,7 +13,7 @@ __all__ = ["TabFMClassifier", "TabFMRegressor", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "TabFMClassifier":
-        from tabfm.estimator import TabFMClassifier
+        from tabfm.classifier import TabFMClassifier
 
         return TabFMClassifier
     if name == "TabFMRegressor":

@@ -1,5 +1,5 @@
-"""scikit-learn estimators on the pretrained model: `TabFMClassifier` here, `TabFMRegressor` in tabfm.regressor,
-and the machinery they share (_TabFMBase: preprocessing, ensemble, encoding, batched predict, save / load).
+"""The machinery the scikit-learn estimators share (_TabFMBase: preprocessing, ensemble, encoding, batched predict,
+save / load); `TabFMClassifier` is in tabfm.classifier, `TabFMRegressor` in tabfm.regressor.
 
 fit() learns nothing by gradient: it preprocesses the train rows (tabfm.preprocess), draws the ensemble and
 encodes the train rows once per member (tabfm.inference.encode_context, keys/values cached). predict() runs only
@@ -12,13 +12,6 @@ its entry of categorical_views and, for classification, its own permutation of t
 probabilities are averaged (or their log-probabilities, average="logit"), and with calibrate a temperature and
 a logistic regression's weight (tabfm.linear_base) are fitted on held-out train rows.
 
-More classes than the model's head (max_classes, 10 for the shipped model): each member gets a random balanced
-code that maps the K classes onto max_classes groups, with enough members (at least n_estimators, at least
-ceil(2 log K / log max_classes) + 1) that every pair of classes is told apart by some member. A member predicts
-group probabilities; with classes equally likely inside a group, p_m(c) = p_m(group of c) / |group of c|, and
-the class probabilities are the normalised geometric mean of the members' p_m(c) (error-correcting output
-codes decoded by log-likelihood).
-
 Sharded inference: with `tensor_parallel=(d0, d1)` under torchrun (d0 * d1 processes), the model is split over a
 d0 x d1 mesh (heads by tensor parallelism, rows by sequence parallelism when `sequence_parallel`): every rank
 calls fit / predict with the same data and gets the one-process result.
@@ -26,7 +19,6 @@ calls fit / predict with the same data and gets the one-process result.
 
 from __future__ import annotations
 
-import copy
 import functools
 import numbers
 from pathlib import Path
@@ -34,26 +26,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
-from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.base import BaseEstimator
+from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import (Member, auto_members, class_codes, draw_members,  # noqa: F401 (class_codes re-exported)
-                            code_members, member_cells, member_width)
-from tabfm.estimator_model import (DEFAULT_CHECKPOINT, load_estimator_model,  # noqa: F401 (re-exported)
-                                   shared_plain_model)
+from tabfm.ensemble import Member, auto_members, draw_members, member_cells, member_width
+from tabfm.estimator_model import load_estimator_model
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
-from tabfm.linear_base import LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
 from tabfm.preprocess import Cells, TablePreprocessor, arrow_as_polars, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
-from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, check_class_labels, resolve_device,
-                              resolve_seed, torch_threads)
+from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
+                              torch_threads)
 
 
 def _threaded(method):
@@ -466,275 +455,13 @@ class _TabFMBase(BaseEstimator):
         return load_estimator(cls, path, device)
 
 
-class TabFMClassifier(ClassifierMixin, _TabFMBase):
-    """In-context classification with the pretrained tabular model; scikit-learn API.
-
-    Parameters
-    ----------
-    n_estimators : int or "auto", default="auto"
-        Ensemble members; each encodes the train rows once at fit and runs every test row at predict, so the
-        cost is linear in members. "auto": 4, and more on small tables, as many as 4,096 / train rows (at most
-        16: 16 up to 256 train rows, 8 at 512), so their fit costs about what 4 members cost on 1,024 train rows;
-        the fitted count is `n_members_`. Predicting many rows from a small table costs more per row than from a
-        large one then; set 4 to keep it lower. With more classes than the model's head (10), which are decoded
-        from class codes, "auto" gives ceil(classes / 10) times as many members, at most 16
-        (tabfm.ensemble.code_members).
-    numeric_transforms : tuple of {"none", "robust", "quantile", "power"}, default=("none", "power")
-        Transforms of the numeric columns, cycled over the members (member m gets entry m % len).
-    categorical_views : tuple of {"embed", "ordinal", "onehot"}, default=("ordinal",)
-        How categorical columns are shown, cycled over the members: the model's hashed category embedding, the
-        category's code as a number, or 0/1 columns (columns of at most 10 categories). The shipped model reads
-        codes as numbers far better than through its embedding (docs/accuracy.md, "How the default got here").
-    max_features : int or None, default=24
-        Each member of a table with more kept columns sees a random subset of this many (the members together
-        see every column, or, on tables wider than n_estimators x max_features, the columns that explain most
-        of y alone); None: every member sees all columns (at most the model's 100). The shipped model was
-        pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables wider than that.
-    checkpoint : str, path or None, default=None
-        A merged .safetensors file or a checkpoint folder; None: the shipped model.
-    categorical_features : "auto", list of int or str, or boolean mask, default="auto"
-        Columns to treat as categorical besides strings, booleans and categorical dtypes: their indices or names,
-        or one boolean per column (as scikit-learn's HistGradientBoosting takes).
-    max_context_rows : int or None, default=None
-        Subsample the train rows per member; None: all of them (ignored where local contexts are used).
-    batch_size : int, default=1024
-        Test rows per forward; bounds predict's memory.
-    device : {"cpu", "cuda", "auto"}, default="cpu"
-    dtype : {"float32", "float64"}, default="float32"
-        The weights' dtype; float64 is the exact reference (tests). "bfloat16" is refused: use precision="bf16".
-    precision : {"auto", "fp32", "bf16"}, default="auto"
-        "bf16": the model's forwards under torch.autocast to bfloat16 with float32 weights, keys/values cached in
-        bfloat16 (half the memory); the probabilities after the model stay float64. "auto": bf16 on CUDA, fp32
-        elsewhere (tabfm.inference_precision; README, "Inference speed and memory").
-    tensor_parallel : (d0, d1) or None, default=None
-        Split the model over a d0 x d1 mesh of processes launched by torchrun.
-    sequence_parallel : bool, default=True
-        With tensor_parallel, also split each stage's rows over mesh axis 0.
-    random_state : int, RandomState, Generator or None, default=0
-        Seeds the members' views, local contexts and calibration rows: an int gives the same fit every time;
-        a RandomState or Generator gives a seed drawn from it at each fit (advancing it); None fresh entropy.
-    verbose : bool, default=False
-        A progress bar over test batches.
-    n_jobs : int or None, default=None
-        CPU threads during fit and predict (torch's and BLAS's, restored after); -1: every core; None: torch's
-        setting. The contexts' forwards run as that many slices of tables, one thread each (tabfm.table_threads).
-        On a busy machine, or under joblib parallelism, 1 is often fastest.
-    local_context_rows : int or None, default=256
-        With more train rows than this, each member is shown local contexts: overlapping neighbourhoods of this
-        many train rows around its own anchors, each test row predicted from the one that holds most of its
-        nearest train rows (tabfm.local_context). The shipped model was pretrained on tables of up to 256 rows and
-        reads short contexts of near rows better than one long one; the cost then grows linearly in the train
-        rows. None: one context of all train rows per member.
-    average : {"probability", "logit"}, default="probability"
-        Average the members' class probabilities, or their log-probabilities (a geometric mean, renormalised).
-    softmax_temperature : float, default=1.0
-        Divides the members' logits; used when calibrate is False.
-    calibrate : bool, default=True
-        Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
-        other train rows by the first two members (a quarter of 12 or more). With local contexts and at least 4
-        members those members' contexts leave the held rows out, at no extra cost; otherwise a probe costs about
-        half of one more encoding of the train rows.
-    linear_blend : bool, default=True
-        With calibrate, also weigh in a logistic regression: the predicted probabilities are
-        (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the
-        same held-out rows (w = 0 where it does not help them), as are whether the logistic regression sees the
-        numeric columns as they are, Yeo-Johnson transformed or with hinge columns, and its L2 penalty (C 0.1, 1
-        or 10). The model alone draws linear boundaries over many columns poorly (tabfm.linear_base).
-    mix_contexts : bool, default=True
-        With local contexts, predict a test row near the edge of a member's context from that member's second
-        context too (the one home to the next most of its 16 nearest train rows) and mix the two's class
-        probabilities by those votes. On the 42 classification tables (5 folds) log-loss 0.39094 -> 0.39020
-        (better on 21, worse on 9), on the 9 of the large suite 0.2148 -> 0.2138 (better on 8), for about 1.5x
-        the predict time (1.21x fit + predict at 1,000 x 1,000 x 20); False: one context per member and row.
-    """
-
-    _task = "classification"
-    _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "average": [StrOptions({"probability", "logit"})],
-                                    "softmax_temperature": [Interval(numbers.Real, 0, None, closed="neither")],
-                                    "calibrate": ["boolean"], "linear_blend": ["boolean"],
-                                    "mix_contexts": ["boolean"]}
-
-    def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
-                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
-                 checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
-                 max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
-                 dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
-                 sequence_parallel: bool = True,
-                 random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
-                 n_jobs: int | None = None, local_context_rows: int | None = 256, average: str = "probability",
-                 softmax_temperature: float = 1.0, calibrate: bool = True, linear_blend: bool = True,
-                 mix_contexts: bool = True):
-        super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
-                         max_features=max_features, checkpoint=checkpoint,
-                         categorical_features=categorical_features, max_context_rows=max_context_rows,
-                         batch_size=batch_size, device=device, dtype=dtype, precision=precision,
-                         tensor_parallel=tensor_parallel,
-                         sequence_parallel=sequence_parallel, random_state=random_state, verbose=verbose,
-                         n_jobs=n_jobs, local_context_rows=local_context_rows)
-        self.average = average
-        self.softmax_temperature = softmax_temperature
-        self.calibrate = calibrate
-        self.linear_blend = linear_blend
-        self.mix_contexts = mix_contexts
-
-    @_fit_or_keep
-    @_threaded
-    def fit(self, X: Any, y: Any) -> TabFMClassifier:
-        """Preprocess and encode the train rows; y: class labels (any hashable values of one kind)."""
-        self._validate_params()
-        check_table_shape(X)
-        y = check_class_labels(y)
-        self.classes_, y_ids = np.unique(y, return_inverse=True)
-        K = len(self.classes_)
-        if K < 2:
-            raise ValueError(f"y has 1 class ({self.classes_[0]!r}): a classifier needs at least two classes")
-        model = self._prepare()
-        max_classes = model.config.max_classes
-        n_members = code_members(self._members_for(len(y_ids)), K, max_classes, auto=self.n_estimators == "auto")
-        self.class_codes_ = class_codes(K, max_classes, n_members, np.random.default_rng(self.seed_))
-        self.n_groups_ = min(K, max_classes)
-        y_ids = y_ids.astype(np.int64)
-        rng = self._calibration_rng()
-        held = self._calibration_rows(y_ids, rng) if self.calibrate else np.empty(0, np.int64)
-        held_members = self._held_members(n_members, len(y_ids) - len(held))
-        if len(held) and held_members:
-            self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
-            self.temperature_, self.blend_weight_, linear = self._fit_temperature(
-                self._cell_outputs(self.train_cells_.take(held), members=held_members), held)
-        else:
-            self._fit_common(X, y_ids, n_members, model, encode=False)
-            self.temperature_, self.blend_weight_, linear = (
-                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, None))
-            self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
-        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
-                                                start=linear.kept) if self.blend_weight_ > 0 else None)
-        return self
-
-    def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The train rows (class ids y) calibration predicts (tabfm.calibration.held_out_rows); none where fewer
-        than 10, too few to fit a temperature to."""
-        held = calibration.held_out_rows(y, len(self.classes_), rng)
-        return held if len(held) >= 10 else np.empty(0, np.int64)
-
-    def _held_members(self, n_members: int, kept: int) -> int:
-        """As the base's (0: calibrate through a probe), and 0 with more classes than the model's head: every
-        member is then needed to decode them."""
-        return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
-
-    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, LinearChoice]:
-        """(softmax temperature, blend weight, the logistic regression's LinearChoice) that minimise the log-loss
-        of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts without
-        them, and with linear_blend a logistic regression's fitted on the other train rows. Its view of the
-        numeric columns (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS,
-        then its penalty among them in that view, each fit starting from that view's first (two stages: a fit
-        per view and per other penalty, not per pair). Ties go to the first view and penalty, then the lowest
-        temperature, then the lowest weight."""
-        y, K = self.y_train_, len(self.classes_)
-        keep = np.setdiff1d(np.arange(len(y)), held)
-        held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
-
-        truth = np.arange(len(held)), y[held]  # the log-loss reads each held row's true class only
-        ensemble = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
-        weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
-        if self.linear_blend and len(np.unique(y[keep])) > 1:
-            weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
-            views = design.views(len(keep))  # hinges where their lbfgs has room, as the ridge's
-            firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
-                                               LOGISTIC_CS[0]) for view in views]
-            linears = [model.predict_proba(held_cells)[truth] for model in firsts]
-            best = calibration.best_blend(ensemble, np.stack(linears), weights)[0]
-            models = [firsts[best]] + [LogisticModel.fit_design(keep_cells, y[keep], K, firsts[best].design, C,
-                                                                start=firsts[best]) for C in LOGISTIC_CS[1:]]
-            linears = [linears[best]] + [model.predict_proba(held_cells)[truth] for model in models[1:]]
-            choices = [LinearChoice(views[best], C, model) for C, model in zip(LOGISTIC_CS, models, strict=True)]
-        choice, temperature, weight = calibration.best_blend(ensemble, np.stack(linears), weights)
-        return temperature, weight, choices[choice]
-
-    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, LinearChoice]:
-        """(softmax temperature, blend weight, LinearChoice) from the calibration rows `held`
-        predicted by a probe: the same ensemble fitted on the other train rows. Where the first members' local
-        contexts cannot leave the rows out (no local contexts, too few rows left, fewer than 4 members, or too
-        many classes), an honest held-out prediction needs a second encoding: nothing of the full contexts
-        carries over to one, since every stage that reads train rows mixes all of them (the cell statistics, the
-        attention down each column, the in-context transformer). It is kept cheap: its context holds at most
-        half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before the
-        full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both; and
-        it runs the first calibration.calibration_members members only, where the classes allow.
-        """
-        y, n = self.y_train_, len(self.y_train_)
-        keep = np.setdiff1d(np.arange(n), held)
-        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
-        probe.model_ = self._model()
-        if len(self.classes_) <= self.n_groups_:  # else every member is needed to decode the classes
-            members = calibration.calibration_members(self.n_members_)
-            probe.n_members_, probe.members_ = members, self.members_[:members]
-            probe.class_codes_ = self.class_codes_[:members]
-        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
-                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
-        probe.contexts_ = None
-        return self._fit_temperature(probe._cell_outputs(self.train_cells_.take(held)), held)
-
-    def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
-        """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
-        if getattr(self, "linear_model_", None) is None:  # also an estimator saved before the blend existed
-            return proba
-        return (1 - self.blend_weight_) * proba + self.blend_weight_ * self.linear_model_.predict_proba(cells)
-
-    def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
-        """The first M members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax
-        temperature."""
-        z = logp / temperature
-        z = z - z.max(-1, keepdims=True)
-        log_groups = z - np.log(np.exp(z).sum(-1, keepdims=True))
-        codes = self.class_codes_[:len(logp)]
-        per_class = np.take_along_axis(log_groups, codes[:, None, :], axis=2)  # [M, n, K] log p_m
-        if len(self.classes_) <= self.n_groups_ and self.average == "probability":
-            proba = np.exp(per_class).mean(0)
-        else:  # geometric mean; with more classes than groups each group's mass is shared by its classes
-            if len(self.classes_) > self.n_groups_:
-                sizes = np.stack([np.bincount(code, minlength=self.n_groups_)[code] for code in codes])
-                per_class = per_class - np.log(sizes)[:, None, :]
-            logp_c = per_class.mean(0)
-            proba = np.exp(logp_c - logp_c.max(1, keepdims=True))
-        return proba / proba.sum(1, keepdims=True)
-
-    def _mix_contexts(self, first: np.ndarray, second: np.ndarray, share: np.ndarray, first_units: np.ndarray,
-                      second_units: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-        """Each member's class-group probabilities of a row near the edge of its context: those from its first
-        and second contexts, weighted by their votes (log-probabilities [M, n, G] in and out): one output per
-        member, as without the mixture."""
-        mixed = first.copy()
-        m, r = np.nonzero(share > 0)
-        s = share[m, r][:, None]
-        mixed[m, r] = np.logaddexp(first[m, r] + np.log1p(-s), second[m, r] + np.log(s))
-        return mixed, first_units, None
-
-    def _n_outputs(self) -> int:
-        return self.n_groups_
-
-    def _member_labels(self, m: int, y: np.ndarray) -> np.ndarray:
-        return self.class_codes_[m][y]
-
-    def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
-        return logits[..., :self.n_groups_].log_softmax(-1)
-
-    @_threaded
-    def predict_proba(self, X: Any) -> np.ndarray:
-        """[n, n_classes] class probabilities, columns in the order of classes_."""
-        cells = self._cells_of(X)
-        return self._blend(self._cell_outputs(cells, lambda logp, *_: self._combine(logp, self.temperature_)), cells)
-
-    def predict_log_proba(self, X: Any) -> np.ndarray:
-        return np.log(np.clip(self.predict_proba(X), 1e-300, None))
-
-    def predict(self, X: Any) -> np.ndarray:
-        proba = self.predict_proba(X)
-        return self.classes_[proba.argmax(1)]
-
-
 def __getattr__(name: str):
-    """TabFMRegressor lives in tabfm.regressor (which imports this module): read it from here on first use."""
+    """The estimators live in tabfm.classifier and tabfm.regressor (which import this module): read them from here
+    on first use, so `from tabfm.estimator import TabFMClassifier` and estimators pickled before the split load."""
+    if name == "TabFMClassifier":
+        from tabfm.classifier import TabFMClassifier
+
+        return TabFMClassifier
     if name == "TabFMRegressor":
         from tabfm.regressor import TabFMRegressor
 

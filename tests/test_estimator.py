@@ -14,7 +14,8 @@ from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabfm import calibration, estimator, estimator_model, inference
-from tabfm.estimator import TabFMClassifier, TabFMRegressor, class_codes
+from tabfm.ensemble import class_codes
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.linear_base import LogisticModel
 
 FLOAT32_ROUNDING = ("float32 matmuls over batches of different sizes round differently (about 1e-7 relative); "

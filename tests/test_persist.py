@@ -17,7 +17,8 @@ import torch
 from sklearn.exceptions import NotFittedError
 
 from tabfm import estimator as estimator_module
-from tabfm.estimator import DEFAULT_CHECKPOINT, TabFMClassifier, TabFMRegressor
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
+from tabfm.estimator_model import DEFAULT_CHECKPOINT
 from tabfm.persist import ARRAYS_FILE, FORMAT_VERSION, JSON_DIGEST, META_FILE, _Decoder, _Encoder
 
 
@@ -118,6 +119,18 @@ def test_class_label_arrays_keep_their_dtype(values):
     node = json.loads(json.dumps(encoder.encode(values, "classes_")))  # through JSON text, as on disk
     back = _Decoder(encoder.arrays, torch.device("cpu")).decode(node)
     assert back.dtype == values.dtype and (back == values).all()
+
+
+def test_estimators_pickled_before_the_classifier_moved_still_load(fitted_classifier):
+    """TabFMClassifier moved from tabfm.estimator to tabfm.classifier; a pickle names its class by module path, so
+    one written before the move (naming tabfm.estimator) must still find it, with its fitted state."""
+    clf, X_test = fitted_classifier
+    old_name = pickle.dumps(TabFMClassifier, protocol=0).replace(b"tabfm.classifier", b"tabfm.estimator")
+    assert b"tabfm.estimator" in old_name and pickle.loads(old_name) is TabFMClassifier
+    state = pickle.dumps(clf, protocol=0)
+    assert b"ctabfm.classifier\nTabFMClassifier" in state
+    old = pickle.loads(state.replace(b"ctabfm.classifier\nTabFMClassifier", b"ctabfm.estimator\nTabFMClassifier"))
+    np.testing.assert_array_equal(old.predict_proba(X_test), clf.predict_proba(X_test))
 
 
 def test_pickling_still_works_and_an_unpickled_estimator_saves_its_caches(fitted_classifier, tmp_path,
