@@ -7,7 +7,7 @@ processes.
 
 The train table is read whole; the test table is read --batch-rows rows at a time, its columns given the train
 table's types (tabfm.table_io.TableScan), predicted in chunks of --batch-size rows (tabfm.predict_stream: the
-same chunks, and so the same answers, whatever --batch-rows) and written as it goes (tabfm.table_io.TableWriter:
+same chunks, and so the same answers, whatever --batch-rows) and written as it goes (tabfm.table_write.TableWriter:
 a temporary file renamed into place on success), so memory is bounded by a batch, not by the test table.
 
 With --nproc > 1 or --data-parallel > 1 the command relaunches itself under torchrun. --nproc: every rank runs
@@ -285,9 +285,9 @@ def open_test(args: argparse.Namespace, X):
 
 def run_prediction(args: argparse.Namespace) -> int:
     """Read, fit, predict and write batch by batch (only rank 0 writes). Runs in every process under torchrun."""
-    from tabfm import table_io
+    from tabfm import table_write
 
-    output = table_io.check_output(args.output, (args.train, args.test), args.overwrite)
+    output = table_write.check_output(args.output, (args.train, args.test), args.overwrite)
     X, y, task, why = load_train(args)
     test = open_test(args, X)  # its header and rows checked before the fit
     if why:  # after the checks, so that bad input still gives one line
@@ -303,7 +303,7 @@ def run_prediction(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     with _exit_on_sigterm(), _warnings_as_lines(args), \
-            table_io.TableWriter(output, float_digits=6 if args.proba else None) as out, \
+            table_write.TableWriter(output, float_digits=6 if args.proba else None) as out, \
             tqdm(total=test.n_rows, desc="predict", unit="row", disable=args.quiet) as bar:
         for chunk in outputs:
             frame = prediction_frame(args, est, chunk, y.dtype)
@@ -414,7 +414,7 @@ def _fail(message: str) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from tabfm import table_io
+    from tabfm import table_write
     from tabfm.launch import run_torchrun, worker_argv
 
     members = 1 if args.n_estimators == "auto" else args.n_estimators
@@ -431,7 +431,7 @@ def _predict(args: argparse.Namespace) -> int:
     if args.layout is not None and args.layout[0] * args.layout[1] != args.nproc:
         return _fail(f"--layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}")
     try:  # before any work, and before torchrun starts processes
-        table_io.check_output(args.output, (args.train, args.test), args.overwrite)
+        table_write.check_output(args.output, (args.train, args.test), args.overwrite)
         if args.nproc == 1 and args.data_parallel == 1:
             return run_prediction(args)
     except (ValueError, TypeError) as e:

@@ -566,7 +566,7 @@ def test_sigterm_while_writing_removes_the_temporary_file(tmp_path):
     import signal
 
     from tabfm._cli_predict import _exit_on_sigterm
-    from tabfm.table_io import TableWriter
+    from tabfm.table_write import TableWriter
 
     out = tmp_path / "pred.csv"
     with pytest.raises(SystemExit) as stop:
