@@ -27,6 +27,7 @@ missing) and category codes; `scale(values, kind)` applies a scaling fitted at f
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import math
@@ -50,6 +51,17 @@ UNSEEN_SHOWN = 5
 POWER_FIT_ROWS = 500
 """Train rows (a fixed random subset) that the Yeo-Johnson exponents are fitted on: 500 rows pin an exponent down
 well, and the search's cost grows with the rows (tabfm.yeo_johnson)."""
+
+
+@contextlib.contextmanager
+def array_output():
+    """Within it, scikit-learn transformers return numpy arrays whatever the user set with
+    sklearn.set_config(transform_output="pandas" or "polars"), which would otherwise reach the indexing here (and
+    does for estimators saved before this existed, whose transformers never had set_output called)."""
+    from sklearn import config_context
+
+    with config_context(transform_output="default"):
+        yield
 
 
 @dataclass(frozen=True)
@@ -569,7 +581,8 @@ class TablePreprocessor:
         unit = numeric / self.peak_
         self.bounds_ = NumericBounds.fit(unit)
         bounded = self.bounds_.apply(unit)
-        self.scalers_ = {kind: self._fit_scaler(kind, bounded) for kind in self.transforms}
+        with array_output():
+            self.scalers_ = {kind: self._fit_scaler(kind, bounded) for kind in self.transforms}
         return self
 
     @staticmethod
@@ -670,7 +683,8 @@ class TablePreprocessor:
         if self.scalers_[kind] is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                x = self.scalers_[kind].transform(x)
+                with array_output():
+                    x = self.scalers_[kind].transform(x)
             if kind == "robust":
                 x = SOFT_CLIP * np.tanh(x / SOFT_CLIP)
         if every:

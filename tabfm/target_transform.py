@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tabfm.numeric_bounds import NumericBounds
+from tabfm.preprocess import array_output
 
 TARGET_TRANSFORMS = ("none", "power", "quantile")
 SUBPOINTS = 8
@@ -72,19 +73,21 @@ class TargetTransform:
         u = np.asarray(u, np.float64).reshape(-1, 1)
         self.impl_ = None
         if self.kind == "power" and np.ptp(u) > 0:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), array_output():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 self.impl_ = YeoJohnson().fit(u)
         elif self.kind == "quantile" and np.ptp(u) > 0:
-            self.impl_ = QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(u))),
-                                             subsample=None, random_state=0).fit(u)
+            with array_output():
+                self.impl_ = QuantileTransformer(output_distribution="normal",
+                                                 n_quantiles=max(2, min(1000, len(u))), subsample=None,
+                                                 random_state=0).fit(u)
         self.u_range_ = (float(u.min()), float(u.max()))
         return self
 
     def transform(self, u: np.ndarray) -> np.ndarray:
         if self.impl_ is None:
             return np.asarray(u, np.float64)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), array_output():
             warnings.simplefilter("ignore", RuntimeWarning)
             return self.impl_.transform(np.asarray(u, np.float64).reshape(-1, 1)).reshape(np.shape(u))
 
@@ -95,7 +98,7 @@ class TargetTransform:
         t = np.asarray(t, np.float64)
         if self.impl_ is None:
             return t
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), array_output():
             warnings.simplefilter("ignore", RuntimeWarning)
             u = self.impl_.inverse_transform(t.reshape(-1, 1)).reshape(t.shape)
         if self.kind == "power":

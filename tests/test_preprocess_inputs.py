@@ -353,3 +353,26 @@ def test_pyarrow_tables_and_batches_read_as_the_polars_frame_they_are():
 def test_a_generator_is_refused_as_no_table():
     with pytest.raises(ValueError, match="X must be a table .* got a generator"):
         TablePreprocessor().fit(([i, i + 1.0] for i in range(5)))
+
+
+@pytest.mark.parametrize("output", ["pandas", "polars"])
+def test_sklearn_set_config_transform_output_changes_nothing(output):
+    """A user's sklearn.set_config(transform_output="pandas" / "polars") made the internal scalers and target
+    transforms return DataFrames, which fit and predict then indexed as arrays (a KeyError or AttributeError):
+    fitted under it, or fitted before and predicted under it, the answers are those of the default setting, with
+    every numeric and target transform in play."""
+    import sklearn
+
+    from tabfm.estimator import TabFMRegressor
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 4))
+    y_cls, y_reg = (X[:, 0] > 0).astype(int), X[:, 0] + 0.1 * rng.normal(size=60)
+    every = {"n_estimators": 4, "numeric_transforms": ("none", "robust", "quantile", "power"), "n_jobs": 1}
+    cls, reg = TabFMClassifier(**every), TabFMRegressor(**every, target_transforms=("none", "power", "quantile"))
+    expected = cls.fit(X, y_cls).predict_proba(X[:10]), reg.fit(X, y_reg).predict(X[:10])
+    with sklearn.config_context(transform_output=output):
+        np.testing.assert_array_equal(cls.predict_proba(X[:10]), expected[0])
+        np.testing.assert_array_equal(reg.predict(X[:10]), expected[1])
+        np.testing.assert_array_equal(cls.fit(X, y_cls).predict_proba(X[:10]), expected[0])
+        np.testing.assert_array_equal(reg.fit(X, y_reg).predict(X[:10]), expected[1])
