@@ -33,7 +33,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import Member, auto_members, draw_members, member_cells, member_width
-from tabfm.estimator_model import load_estimator_model
+from tabfm.estimator_model import load_estimator_model, weights_digest
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
@@ -127,7 +127,10 @@ class _TabFMBase(BaseEstimator):
         self.dtype_ = resolve_weight_dtype(self.dtype)
         self.precision_ = resolve_precision(self.precision, self.dtype_, self.device_)
         self.__dict__.pop("model_", None)  # a refit loads afresh: the checkpoint, device or layout may have changed
-        return self._model()
+        self.__dict__.pop("weights_digest_", None)
+        model = self._model()
+        self.weights_digest_ = weights_digest(self.checkpoint)  # what the encoded train rows belong to
+        return model
 
     def _fit_common(self, X: Any, y: np.ndarray, n_members: int, model: TabFM, encode: bool = True,
                     held: np.ndarray | None = None, held_members: int = 0) -> None:
@@ -223,9 +226,28 @@ class _TabFMBase(BaseEstimator):
         model = self.__dict__.get("model_")
         if model is None:
             tp = None if self.tensor_parallel is None else tuple(self.tensor_parallel)
-            model = self.model_ = load_estimator_model(self.checkpoint, self.device_, self.dtype_, tp,
-                                                       self.sequence_parallel)
+            model = load_estimator_model(self.checkpoint, self.device_, self.dtype_, tp, self.sequence_parallel)
+            self._check_weights()
+            self.model_ = model
         return model
+
+    def _check_weights(self) -> None:
+        """After `load` or unpickling: refuse weights other than those fit encoded the train rows with (absent in
+        estimators saved before the digest was kept: nothing to compare)."""
+        fitted = self.__dict__.get("weights_digest_")
+        if fitted is None:
+            return
+        now = weights_digest(self.checkpoint)
+        if now == fitted:
+            return
+        name = type(self).__name__
+        if self.checkpoint is None:
+            raise ValueError(f"this {name} was fitted with other shipped weights (SHA-256 {fitted[:12]}..., this "
+                             f"tabfm's are {now[:12]}...) and its cached train rows belong to those: refit it, or "
+                             "load it with the tabfm version that saved it")
+        raise ValueError(f"this {name} was fitted with checkpoint={str(self.checkpoint)!r} (SHA-256 {fitted[:12]}...), "
+                         f"which now names other weights ({now[:12]}..., {Path(self.checkpoint).resolve()}) and its "
+                         "cached train rows belong to the old ones: put those back at that path, or refit")
 
     def _scaled(self, cells: Cells, units: np.ndarray) -> dict[str, np.ndarray]:
         """The numeric values of every row of `cells` under each numeric transform the contexts `units` use: every

@@ -48,6 +48,28 @@ def shared_plain_model(path: str, mtime_ns: int, device: str, dtype: torch.dtype
     return load_model(path, dtype=dtype).to(device).eval()
 
 
+def weights_digest(checkpoint: str | Path | None) -> str:
+    """SHA-256 that names the weights at `checkpoint` (default: the shipped weights): of a merged file's bytes, or of
+    a checkpoint folder's manifest (which holds every rank file's SHA-256, checked when the folder is loaded). An
+    estimator records it at fit, since its encoded train rows belong to those weights: a file replaced or re-merged
+    since, another working folder's file of the same relative name, or other shipped weights are told apart when
+    a saved or pickled estimator reloads its model."""
+    from tabfm.checkpoint_format import MANIFEST
+
+    path = (Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT).resolve()
+    file = path / MANIFEST if path.is_dir() else path
+    stat = file.stat()
+    return _file_digest(str(file), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    """A file's SHA-256, once per (path, file time, size): every fit of a grid search asks for it."""
+    from tabfm.checkpoint_format import sha256
+
+    return sha256(Path(path))
+
+
 def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dtype: torch.dtype,
                          tensor_parallel: tuple[int, int] | None = None, sequence_parallel: bool = True) -> TabFM:
     """The model of a merged file or checkpoint folder (default: the shipped weights), in eval mode: the shared

@@ -443,5 +443,8 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
     est.device_ = target
-    est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
+    try:
+        est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
+    except ValueError as e:  # the weights at its checkpoint are not those it was fitted with
+        raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
     return est

@@ -392,3 +392,61 @@ def test_the_checkpoint_path_is_kept_and_must_exist_at_load(tmp_path):
     checkpoint.unlink()
     with pytest.raises(ValueError, match="which does not exist here"):
         TabFMClassifier.load(tmp_path / "clf")
+
+
+def _other_weights(source: Path, out: Path) -> Path:
+    """A model file of the same architecture as `source` with other weights (every float tensor moved)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(source), "pt") as f:
+        metadata = f.metadata()
+    save_file({k: v + 0.5 * v.std() if v.is_floating_point() and v.numel() > 1 else v
+               for k, v in load_file(str(source)).items()}, str(out), metadata=metadata)
+    return out
+
+
+def test_weights_replaced_at_the_checkpoint_path_are_refused_at_load(tmp_path):
+    """The cached train rows belong to the weights fit used: a checkpoint file replaced since (training went on,
+    re-merged) used to pair them silently with the new weights (probabilities 0.65 off)."""
+    checkpoint = tmp_path / "model.safetensors"
+    shutil.copy(DEFAULT_CHECKPOINT, checkpoint)
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, checkpoint=checkpoint).fit(X, X["colour"])
+    expected = clf.predict_proba(X)
+    clf.save(tmp_path / "clf")
+    pickled = pickle.dumps(clf)
+    _other_weights(DEFAULT_CHECKPOINT, checkpoint)
+    with pytest.raises(ValueError, match="which now names other weights .* put those back at that path, or refit"):
+        TabFMClassifier.load(tmp_path / "clf")
+    with pytest.raises(ValueError, match="which now names other weights"):
+        pickle.loads(pickled).predict_proba(X)  # the model is loaded on the first predict after unpickling
+    assert np.abs(clf.fit(X, X["colour"]).predict_proba(X) - expected).max() > 1e-3  # a refit takes the new ones
+    shutil.copy(DEFAULT_CHECKPOINT, checkpoint)  # the old weights back: the saved estimator loads again
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "clf").predict_proba(X), expected)
+    np.testing.assert_array_equal(pickle.loads(pickled).predict_proba(X), expected)
+
+
+def test_a_relative_checkpoint_read_from_another_folder_is_refused(tmp_path, monkeypatch):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    shutil.copy(DEFAULT_CHECKPOINT, tmp_path / "a" / "ck.safetensors")
+    _other_weights(DEFAULT_CHECKPOINT, tmp_path / "b" / "ck.safetensors")
+    X = table(60)
+    monkeypatch.chdir(tmp_path / "a")
+    TabFMRegressor(n_estimators=1, checkpoint="ck.safetensors").fit(X, X["z"]).save(tmp_path / "reg")
+    monkeypatch.chdir(tmp_path / "b")  # another project's file of the same name
+    with pytest.raises(ValueError, match=r"checkpoint='ck.safetensors' .* which now names other weights"):
+        TabFMRegressor.load(tmp_path / "reg")
+    monkeypatch.chdir(tmp_path / "a")
+    assert TabFMRegressor.load(tmp_path / "reg").predict(X).shape == (60,)
+
+
+def test_other_shipped_weights_are_refused_at_load(saved_classifier, tmp_path, monkeypatch):
+    """A newer tabfm that ships other weights cannot predict with an estimator fitted on the old ones."""
+    from tabfm import estimator_model
+
+    monkeypatch.setattr(estimator_model, "DEFAULT_CHECKPOINT", _other_weights(DEFAULT_CHECKPOINT,
+                                                                              tmp_path / "new.safetensors"))
+    with pytest.raises(ValueError, match="fitted with other shipped weights .* load it with the tabfm version"):
+        TabFMClassifier.load(saved_classifier)
