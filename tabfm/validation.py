@@ -45,6 +45,23 @@ class _PositiveInt(Interval):
         return not isinstance(val, bool | np.bool_) and super().is_satisfied_by(val)
 
 
+class _LayoutPair(Options):
+    """(d0, d1): two positive ints, booleans excluded, as a tuple or list. Checked here, in the process that fits:
+    a 0 or a negative entry would otherwise reach the launch advice as "torchrun --nproc-per-node 0", and 1.5 would
+    be cut to 1 without a word. (An Options, the kind of constraint scikit-learn's validation takes, with its own
+    test.)"""
+
+    def __init__(self):
+        super().__init__(object, set())
+
+    def is_satisfied_by(self, val: Any) -> bool:
+        return (isinstance(val, tuple | list) and len(val) == 2
+                and all(_PositiveInt().is_satisfied_by(d) for d in val))
+
+    def __str__(self) -> str:
+        return "a tuple of two positive ints (d0, d1), the tensor-parallel mesh of d0 * d1 processes,"
+
+
 ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
     "n_estimators": [_PositiveInt(), StrOptions({"auto"})],
     "checkpoint": [str, PurePath, None],
@@ -54,7 +71,7 @@ ESTIMATOR_PARAMETER_CONSTRAINTS: dict[str, list[Any]] = {
     "device": [str, torch.device],  # the value is checked by resolve_device, with advice for "gpu" and "meta"
     "dtype": [StrOptions(set(DTYPES), deprecated={"bfloat16", "float16"}), Options(torch.dtype, set(DTYPES.values()))],
     "precision": [StrOptions(set(PRECISIONS))],
-    "tensor_parallel": [tuple, list, None],
+    "tensor_parallel": [_LayoutPair(), None],
     "sequence_parallel": ["boolean"],
     "random_state": [_PositiveInt(0), np.random.RandomState, np.random.Generator, None],  # resolve_seed
     "verbose": ["verbose"],

@@ -58,7 +58,8 @@ def test_constraints_cover_the_estimator_parameters():
     ("n_estimators", 3), ("n_estimators", np.int64(2)), ("n_estimators", "auto"), ("max_context_rows", 10), ("batch_size", 1),
     ("checkpoint", "model.safetensors"), ("checkpoint", Path("m")),
     ("categorical_features", [0, "colour"]), ("device", "cuda:1"), ("device", torch.device("cpu")),
-    ("dtype", "bfloat16"), ("dtype", torch.float64), ("precision", "bf16"), ("tensor_parallel", (2, 1)), ("random_state", None),
+    ("dtype", "bfloat16"), ("dtype", torch.float64), ("precision", "bf16"), ("tensor_parallel", (2, 1)), ("tensor_parallel", [1, np.int64(2)]),
+    ("random_state", None),
     ("random_state", 2**40), ("random_state", np.random.RandomState(0)), ("random_state", np.random.default_rng(0)),
     ("verbose", 1), ("n_jobs", -1), ("n_jobs", 2),
 ])
@@ -72,6 +73,10 @@ def test_good_parameters_pass(name, value):
     ("dtype", torch.int64), ("dtype", "int8"), ("precision", "bfloat16"), ("device", 0), ("checkpoint", 3), ("tensor_parallel", 5),
     ("sequence_parallel", "yes"), ("calibrate", None), ("categorical_features", "all"), ("n_jobs", 0),
     ("n_jobs", -2), ("n_jobs", "2"), ("n_jobs", True),
+    # each entry a positive int, two of them: (0, 2) once advised "torchrun --nproc-per-node 0", 1.5 became 1
+    ("tensor_parallel", (0, 2)), ("tensor_parallel", (-1, -2)), ("tensor_parallel", (1.5, 2)),
+    ("tensor_parallel", ("1", "1")), ("tensor_parallel", (1,)), ("tensor_parallel", (1, 1, 1)),
+    ("tensor_parallel", (True, 1)),
 ])
 def test_bad_parameters_are_named(name, value):
     with pytest.raises(InvalidParameterError, match=f"The '{name}' parameter of Probe must be .* Got .* instead"):
