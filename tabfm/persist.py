@@ -220,8 +220,11 @@ class _Decoder:
 
 def _plain_params(est: Any) -> dict[str, Any]:
     """get_params() as JSON values (a Path or torch.device as its string, a torch.dtype as its name, numpy scalars
-    as numbers); refuses anything else."""
+    as numbers, a RandomState or Generator random_state as the seed fit drew from it, `seed_`: the loaded estimator
+    refits as this one was fitted); refuses anything else."""
     def plain(name: str, value: Any) -> Any:
+        if name == "random_state" and isinstance(value, np.random.RandomState | np.random.Generator):
+            return est.seed_
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return value.item()
         if value is None or isinstance(value, bool | int | float | str):

@@ -450,3 +450,17 @@ def test_other_shipped_weights_are_refused_at_load(saved_classifier, tmp_path, m
                                                                               tmp_path / "new.safetensors"))
     with pytest.raises(ValueError, match="fitted with other shipped weights .* load it with the tabfm version"):
         TabFMClassifier.load(saved_classifier)
+
+
+@pytest.mark.parametrize("random_state", [np.random.RandomState(0), np.random.default_rng(0)],
+                         ids=["RandomState", "Generator"])
+def test_an_estimator_fitted_with_a_random_generator_saves_its_seed(random_state, tmp_path):
+    """A RandomState or Generator (as GridSearchCV's best_estimator_ may carry) was refused by save; it is saved as
+    the seed fit drew from it, so the loaded estimator predicts the same and refits as this one was fitted."""
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=2, random_state=random_state).fit(X, X["colour"])
+    clf.save(tmp_path / "clf")
+    loaded = TabFMClassifier.load(tmp_path / "clf")
+    assert loaded.random_state == clf.seed_ and isinstance(loaded.random_state, int)
+    np.testing.assert_array_equal(loaded.predict_proba(X), clf.predict_proba(X))
+    np.testing.assert_array_equal(loaded.fit(X, X["colour"]).predict_proba(X), clf.predict_proba(X))
