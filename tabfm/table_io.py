@@ -396,7 +396,8 @@ def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]
     """Text columns where most cells are numbers: (column, numbers, non-missing cells, up to 3 of the other values).
 
     Such a column is read as categories, which is rarely what was meant: the other values are usually a missing
-    token that is not in the NA list, or a typo.
+    token that is not in the NA list, or a typo. Only finite numbers count: "nan" and "inf", which polars reads as
+    floats, are what `astype(str)` makes of missing cells, and converting such a column as advised would empty it.
     """
     import polars as pl
 
@@ -405,11 +406,11 @@ def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]
         if dtype != pl.String:
             continue
         s = df.get_column(name).drop_nulls()
-        numbers = s.cast(pl.Float64, strict=False)
+        finite = s.cast(pl.Float64, strict=False).is_finite().fill_null(False)
         n = s.len()
-        k = n - numbers.null_count()
+        k = int(finite.sum())
         if n and 2 * k > n:
-            others = s.filter(numbers.is_null()).unique(maintain_order=True).head(3).to_list()
+            others = s.filter(~finite).unique(maintain_order=True).head(3).to_list()
             found.append((name, k, n, others))
     return found
 

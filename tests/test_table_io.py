@@ -45,6 +45,13 @@ def test_a_column_that_is_mostly_numbers_is_reported(tmp_path):
     assert read_table(f, na_tokens("n.a.,unknown"))["x"].to_list() == [1, None, 3, 4, None, 6]
 
 
+def test_nan_and_inf_text_are_not_counted_as_numbers():
+    """polars reads "nan" and "inf" as floats; a column of them (what astype(str) makes of missing cells) is not
+    mostly numbers, and the warning's advice to convert it would have emptied it."""
+    df = pl.DataFrame({"s": ["nan", "b", "nan", "inf", "nan"], "t": ["1", "2", "nan", "3", "-inf"]})
+    assert mostly_numeric_text(df) == [("t", 3, 5, ["nan", "-inf"])]
+
+
 def test_types_come_from_every_row(tmp_path):
     rows = "\n".join(str(i) for i in range(20_000))
     df = read_table(_write(tmp_path / "t.csv", f"x\n{rows}\n0.5\n"))
