@@ -29,7 +29,8 @@ from tabfm.estimator import _BASE_CONSTRAINTS, _fit_or_keep, _TabFMBase, _thread
 from tabfm.inference import Context
 from tabfm.linear_base import LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
 from tabfm.model import TabFM
-from tabfm.preprocess import Cells, check_table_shape
+from tabfm.preprocess import Cells
+from tabfm.raw_columns import check_table_shape
 from tabfm.validation import check_class_labels
 
 

@@ -39,7 +39,8 @@ from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
 from tabfm.local_context import LocalContexts, column_relevance, padded_chunks
 from tabfm.model import TabFM
 from tabfm.precision import autocast
-from tabfm.preprocess import Cells, TablePreprocessor, arrow_as_polars, check_table_shape
+from tabfm.preprocess import Cells, TablePreprocessor
+from tabfm.raw_columns import arrow_as_polars, check_table_shape
 from tabfm.table_threads import map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
                               torch_threads)

@@ -25,7 +25,8 @@ from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
 from tabfm.numeric_bounds import squeeze_outliers
-from tabfm.preprocess import Cells, check_table_shape, unmask
+from tabfm.preprocess import Cells
+from tabfm.raw_columns import check_table_shape, unmask
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
 from tabfm.validation import check_real_targets

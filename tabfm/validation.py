@@ -25,7 +25,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
 from tabfm.inference_precision import PRECISIONS
-from tabfm.preprocess import _is_missing, unmask
+from tabfm.raw_columns import is_missing, unmask
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype values the constraints let through: bfloat16 and float16 reach resolve_weight_dtype, whose message
@@ -147,7 +147,7 @@ def check_class_labels(y: Any) -> np.ndarray:
     elif y.dtype.kind in "Mm":
         missing = np.isnat(y)
     elif y.dtype.kind == "O":
-        missing = np.array([_is_missing(v) for v in y], dtype=bool).reshape(len(y))
+        missing = np.array([is_missing(v) for v in y], dtype=bool).reshape(len(y))
     if missing.any():
         raise ValueError(f"y holds missing labels (None/NaN/pd.NA) in {int(missing.sum())} rows: drop those rows or "
                          "give them a class")

@@ -19,7 +19,8 @@ from sklearn.utils._param_validation import InvalidParameterError
 from threadpoolctl import threadpool_info
 
 from tabfm.estimator import TabFMClassifier
-from tabfm.preprocess import TablePreprocessor, _raw_column
+from tabfm.preprocess import TablePreprocessor
+from tabfm.raw_columns import raw_column
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, resolve_seed,
                               torch_threads)
 
@@ -244,23 +245,23 @@ JAN_1_2020 = 1577836800.0  # seconds since the epoch
     np.array(["2020-01-01", "NaT"], dtype="datetime64[D]"),
 ], ids=["pandas", "pandas-ns", "pandas-tz", "pandas-arrow", "polars", "polars-ns-utc", "polars-date", "numpy"])
 def test_dates_read_as_seconds_and_nat_as_missing(col):
-    kind, raw, values = _raw_column(col, "d")
+    kind, raw, values = raw_column(col, "d")
     assert kind == "numeric" and values.startswith("dates")
     assert raw[0] == pytest.approx(JAN_1_2020) and np.isnan(raw[1])  # NaT was -9.2e18
 
 
 def test_durations_and_times_read_as_seconds():
     """Each reads as seconds, and its type says which kind of value it was (fit and predict compare these)."""
-    assert _raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t").values == "durations"
-    assert _raw_column(np.array([90, 30], dtype="timedelta64[s]"), "t").values == "durations"
-    assert _raw_column(pd.Series(pd.period_range("2020-01", periods=2, freq="M")), "t").values == "dates"
-    assert _raw_column(pl.Series("t", [1.5, None]), "t").values == "numbers"
-    assert _raw_column(np.array([1, 2], dtype=object), "t").values == "numbers"  # the cells decided
-    assert _raw_column(np.array([datetime.timedelta(1), None], dtype=object), "t").values == "durations"
-    assert _raw_column(np.array(["a", None], dtype=object), "t").values is None  # categorical
-    assert _raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t")[1][0] == 90
-    assert _raw_column(pl.Series("t", [datetime.timedelta(minutes=2), None]), "t")[1][0] == 120
-    kind, raw, values = _raw_column(pl.Series("t", [datetime.time(1), None]), "t")
+    assert raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t").values == "durations"
+    assert raw_column(np.array([90, 30], dtype="timedelta64[s]"), "t").values == "durations"
+    assert raw_column(pd.Series(pd.period_range("2020-01", periods=2, freq="M")), "t").values == "dates"
+    assert raw_column(pl.Series("t", [1.5, None]), "t").values == "numbers"
+    assert raw_column(np.array([1, 2], dtype=object), "t").values == "numbers"  # the cells decided
+    assert raw_column(np.array([datetime.timedelta(1), None], dtype=object), "t").values == "durations"
+    assert raw_column(np.array(["a", None], dtype=object), "t").values is None  # categorical
+    assert raw_column(pd.Series(pd.to_timedelta([90, None], unit="s")), "t")[1][0] == 90
+    assert raw_column(pl.Series("t", [datetime.timedelta(minutes=2), None]), "t")[1][0] == 120
+    kind, raw, values = raw_column(pl.Series("t", [datetime.time(1), None]), "t")
     assert kind == "numeric" and raw[0] == 3600 and np.isnan(raw[1]) and values == "times of day"
 
 
