@@ -21,8 +21,9 @@
                  "quantile" (train-row quantiles mapped to a standard normal) or "power" (standardised, then
                  Yeo-Johnson towards a normal shape, tabfm.yeo_johnson), the others from scikit-learn
 
-Reading X into named columns of one kind each is tabfm.raw_columns'; `TablePreprocessor.fit(X)` learns the columns; `transform(X)` gives `Cells` with raw numeric values (NaN where
-missing) and category codes; `scale(values, kind)` applies a scaling fitted at fit.
+Reading X into named columns of one kind each is tabfm.raw_columns'; `TablePreprocessor.fit(X)` learns the
+columns; `transform(X)` gives `Cells` with raw numeric values (NaN where missing) and category codes;
+`scale(values, kind)` applies a scaling fitted at fit.
 """
 
 from __future__ import annotations
