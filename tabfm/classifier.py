@@ -31,6 +31,7 @@ from tabfm.linear_base import LOGISTIC_CS, LinearChoice, LinearDesign, LogisticM
 from tabfm.model import TabFM
 from tabfm.preprocess import Cells
 from tabfm.raw_columns import check_table_shape
+from tabfm.table_threads import host_work
 from tabfm.validation import check_class_labels
 
 
@@ -174,8 +175,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             self.temperature_, self.blend_weight_, linear = (
                 self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, None))
             self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
-        self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
-                                                start=linear.kept) if self.blend_weight_ > 0 else None)
+        with host_work():
+            self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
+                                                    start=linear.kept) if self.blend_weight_ > 0 else None)
         return self
 
     def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -189,6 +191,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
+    @host_work()  # the logistic regressions and the blend's search: CPU work between forwards
     def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, LinearChoice]:
         """(softmax temperature, blend weight, the logistic regression's LinearChoice) that minimise the log-loss
         of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts without
@@ -247,7 +250,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
         if getattr(self, "linear_model_", None) is None:  # also an estimator saved before the blend existed
             return proba
-        return (1 - self.blend_weight_) * proba + self.blend_weight_ * self.linear_model_.predict_proba(cells)
+        with host_work():
+            linear = self.linear_model_.predict_proba(cells)
+        return (1 - self.blend_weight_) * proba + self.blend_weight_ * linear
 
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
         """The first M members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax

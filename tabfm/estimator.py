@@ -41,7 +41,7 @@ from tabfm.model import TabFM
 from tabfm.precision import autocast
 from tabfm.preprocess import Cells, TablePreprocessor
 from tabfm.raw_columns import arrow_as_polars, check_table_shape
-from tabfm.table_threads import map_tables, table_workers
+from tabfm.table_threads import host_work, map_tables, table_workers
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
                               torch_threads)
 
@@ -138,31 +138,33 @@ class _TabFMBase(BaseEstimator):
         """Preprocess, draw the ensemble and (unless encode is False) encode the contexts; y is [n] class ids or
         float targets; held: train rows the first held_members members' local contexts leave out (the
         classifier's calibration rows)."""
-        X = arrow_as_polars(X)
-        validate_data(self, X, reset=True, skip_check_array=True)
-        kinds = (self.numeric_transforms,) if isinstance(self.numeric_transforms, str) else tuple(self.numeric_transforms)
-        used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # fit only what is used
-        self.preprocessor_ = TablePreprocessor(self.categorical_features, max_columns=model.config.max_columns,
-                                               transforms=used).fit(X)
-        cells = self.preprocessor_.transform(X)
-        if len(y) != len(cells.values):
-            raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
-        C = cells.values.shape[1]
-        shown, limit = min(C, self.max_features or C), model.config.max_columns
-        if shown > limit:
-            raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
-                             f"member {shown}, but the model takes at most {limit}: set max_features to at most "
-                             f"{limit} (members then see subsets; the default is 24)")
-        self.n_members_ = n_members
-        y = self._context_targets(cells, y)
-        rng = np.random.default_rng(self.seed_)
-        relevance = (column_relevance(cells, self._relevance_targets(y))
-                     if self.max_features is not None and C > self.max_features else None)
-        self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
-                                     self.max_features, rng, relevance)
-        self._draw_contexts(cells, y, rng, relevance=relevance, held=held, held_members=held_members)
-        self.train_cells_, self.y_train_ = cells, y
-        self.contexts_ = None
+        with host_work():  # the forwards come after, on table threads
+            X = arrow_as_polars(X)
+            validate_data(self, X, reset=True, skip_check_array=True)
+            kinds = ((self.numeric_transforms,) if isinstance(self.numeric_transforms, str)
+                     else tuple(self.numeric_transforms))
+            used = sorted({kinds[m % len(kinds)] for m in range(n_members)}) if kinds else []  # only what is used
+            self.preprocessor_ = TablePreprocessor(self.categorical_features, max_columns=model.config.max_columns,
+                                                   transforms=used).fit(X)
+            cells = self.preprocessor_.transform(X)
+            if len(y) != len(cells.values):
+                raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
+            C = cells.values.shape[1]
+            shown, limit = min(C, self.max_features or C), model.config.max_columns
+            if shown > limit:
+                raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
+                                 f"member {shown}, but the model takes at most {limit}: set max_features to at most "
+                                 f"{limit} (members then see subsets; the default is 24)")
+            self.n_members_ = n_members
+            y = self._context_targets(cells, y)
+            rng = np.random.default_rng(self.seed_)
+            relevance = (column_relevance(cells, self._relevance_targets(y))
+                         if self.max_features is not None and C > self.max_features else None)
+            self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
+                                         self.max_features, rng, relevance)
+            self._draw_contexts(cells, y, rng, relevance=relevance, held=held, held_members=held_members)
+            self.train_cells_, self.y_train_ = cells, y
+            self.contexts_ = None
         if encode:
             self._encode_contexts()
 
@@ -339,10 +341,11 @@ class _TabFMBase(BaseEstimator):
     def _cells_of(self, X: Any) -> Cells:
         """The preprocessed cells of the rows of X, checked against what fit saw."""
         check_is_fitted(self, "preprocessor_")
-        X = arrow_as_polars(X)
-        check_table_shape(X)
-        validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
-        return self.preprocessor_.transform(X)
+        with host_work():
+            X = arrow_as_polars(X)
+            check_table_shape(X)
+            validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
+            return self.preprocessor_.transform(X)
 
     def _cell_outputs(self, cells: Cells, finalize=None, members: int | None = None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin
@@ -384,7 +387,8 @@ class _TabFMBase(BaseEstimator):
         n, M = len(cells.values), self.n_members_ if members is None else members
         route = second = share = None
         if self.local_ is not None:
-            route, second, share = (a[:M] for a in self.local_.routes(cells, train_points))  # [M, n] each
+            with host_work():
+                route, second, share = (a[:M] for a in self.local_.routes(cells, train_points))  # [M, n] each
             if not self._mixes_contexts():
                 second, share = route, np.zeros_like(share)
         units_of = (np.tile(self.context_members_[:M, None], (1, n)) if route is None else route)

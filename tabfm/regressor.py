@@ -27,6 +27,7 @@ from tabfm.model import TabFM
 from tabfm.numeric_bounds import squeeze_outliers
 from tabfm.preprocess import Cells
 from tabfm.raw_columns import check_table_shape, unmask
+from tabfm.table_threads import host_work
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
 from tabfm.validation import check_real_targets
@@ -182,7 +183,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         """[n] what the linear base adds to the model's prediction of each row, in target units."""
         if self.linear_base_ is None:
             return np.zeros(len(cells.values))
-        return self.target_scale_.scale * self.linear_base_.predict(cells)
+        with host_work():
+            return self.target_scale_.scale * self.linear_base_.predict(cells)
 
     def _n_outputs(self) -> int:
         return 0

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["map_tables", "sequential_tables", "table_workers"]
+__all__ = ["host_work", "host_work_on_all_threads", "map_tables", "sequential_tables", "table_workers"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,3 +63,37 @@ def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R
         return list(pool.map(fn, items))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def host_work() -> Iterator[None]:
+    """torch's intra-op threads and the BLAS threads at 1 within the block (this thread), restored after: for the
+    estimators' CPU work between forwards (preprocessing, the local contexts' k-means and nearest-row searches, the
+    linear models). Its ops are small (a thousand rows by tens of columns), too small to gain from a team of
+    threads, and on a busy machine each op of a team waits for a thread that has no core: at 1,000 x 1,000 x 20
+    with another process running, fit took 2.8-5.0 s with the default threads and 1.8-2.2 s with this."""
+    from threadpoolctl import threadpool_limits
+
+    if getattr(_state, "host_all", False):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def host_work_on_all_threads() -> Iterator[None]:
+    """Within the block (this thread), host_work leaves the thread counts as they are, as before it existed: the
+    benchmark's reference (benchmarks/host_threads.py)."""
+    before = getattr(_state, "host_all", False)
+    _state.host_all = True
+    try:
+        yield
+    finally:
+        _state.host_all = before
+
