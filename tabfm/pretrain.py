@@ -86,17 +86,29 @@ def check_run_layout(cfg: RunConfig, world_size: int) -> None:
         raise LayoutError(f"{e}{hint}") from None
 
 
-RUN_FILES = ("metrics.jsonl", "curves.png", CHECKPOINTS)
-"""What a run leaves in its out_dir and `--overwrite` removes (config.yaml and layout.json are rewritten anyway)."""
+RUN_FILES = ("metrics.jsonl", "curves.png", "config.yaml", "layout.json", CHECKPOINTS)
+"""What a run leaves in its out_dir and `--overwrite` removes (in checkpoints/ only what a run writes there)."""
+
+
+def _run_entries(ckpts: Path) -> list[Path]:
+    """What a run writes in its checkpoints folder: step_N folders, their .tmp / .old leftovers and `latest`. Both
+    previous_run and clear_run go by it, so that a file of the user's there is neither a run nor deleted (a launcher
+    that cleared a run while its ranks still saw one there would delete the run and then start nothing)."""
+    from tabfm.checkpoint_run import _LEFTOVER
+
+    if not ckpts.is_dir() or ckpts.is_symlink():
+        return []
+    return [p for p in ckpts.iterdir() if (p.is_dir() and not p.is_symlink() and _LEFTOVER.fullmatch(p.name))
+            or p.name in (ckpt.LATEST, ckpt.LATEST + ".tmp")]
 
 
 def previous_run(out_dir: Path) -> list[str]:
-    """What of an earlier run `out_dir` holds: a non-empty metrics log and a non-empty checkpoints folder."""
+    """What of an earlier run `out_dir` holds: a non-empty metrics log and checkpoints a run wrote."""
     held = []
     metrics, ckpts = out_dir / "metrics.jsonl", checkpoints_of(out_dir)
     if metrics.is_file() and metrics.stat().st_size:
         held.append(str(metrics))
-    if ckpts.is_dir() and any(ckpts.iterdir()):
+    if _run_entries(ckpts):
         held.append(f"{ckpts}/")
     return held
 
@@ -113,6 +125,11 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
     if held and resume is None and not overwrite:
         raise ValueError(f"{out_dir} already holds a run ({' and '.join(held)}): continue it with --resume auto, "
                          "start another with --set train.out_dir=NEW_DIR, or delete it with --overwrite")
+    config = out_dir / "config.yaml"
+    if not held and config.is_file() and resume is None and not overwrite:
+        raise ValueError(f"{config} exists and {out_dir} holds no run: a run writes its config there, which would "
+                         "replace that file; move it (a --config file belongs outside train.out_dir), start the "
+                         "run in another train.out_dir, or replace it with --overwrite")
     if resume is not None and (out_dir / "metrics.jsonl").is_file():
         read_metrics_file(out_dir / "metrics.jsonl", warn=False)  # corrupt: refused now, not on rank 0 mid-run
     if resume == "auto":
@@ -123,14 +140,11 @@ def clear_run(out_dir: Path) -> str | None:
     """Delete an earlier run's metrics log, plot and checkpoints from `out_dir`; say what was removed. In
     checkpoints/ only what a run writes goes (step_N folders and their .tmp / .old leftovers, `latest`): a file of
     the user's there stays, and so does the folder then. Call check_run first: it refuses a linked checkpoints/."""
-    from tabfm.checkpoint_run import _LEFTOVER
-
     removed = []
     for name in RUN_FILES:
         path = out_dir / name
         if path.is_dir() and not path.is_symlink():
-            ours = [p for p in path.iterdir() if (p.is_dir() and not p.is_symlink() and _LEFTOVER.fullmatch(p.name))
-                    or p.name in (ckpt.LATEST, ckpt.LATEST + ".tmp")]
+            ours = _run_entries(path)
             count = sum(1 for p in ours if ckpt.STEP_DIR.fullmatch(p.name))
             for p in ours:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -218,11 +232,15 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
         load_topology(cfg.parallel.topology, world_size)
     resolve_device(cfg)
     _check_tables_fit_model(cfg)
+    if not str(cfg.train.out_dir).strip():  # Path("") is ".": the run would write into the working folder
+        raise ValueError("train.out_dir is empty; give the folder the run writes to")
     out_dir = Path(cfg.train.out_dir)
     _check_out_dir_path(out_dir)
     check_out_dir(out_dir, resume, overwrite)
     if cfg.train.init_from and resume is None:  # resuming, a checkpoint takes precedence over init_from
         ckpt.check_init_from(cfg.train.init_from, cfg.model)  # before --overwrite deletes anything
+        if overwrite:
+            _check_init_from_survives(Path(cfg.train.init_from), out_dir)
     if resume is not None:
         _check_resume_point(out_dir, resume, cfg)
 
@@ -255,14 +273,44 @@ def _check_tables_fit_model(cfg: RunConfig) -> None:
                          f"(model.max_classes={model.max_classes}): lower it")
 
 
+def _check_init_from_survives(init_from: Path, out_dir: Path) -> None:
+    """--overwrite deletes the run's files (RUN_FILES) before the new run reads train.init_from: weights among them
+    would be gone with the old run, and the new one would fail to start."""
+    target = init_from.resolve()
+    for name in RUN_FILES:
+        doomed = (out_dir / name).resolve()
+        if target == doomed or doomed in target.parents:
+            raise ValueError(f"train.init_from={init_from} lies in {out_dir / name}, which --overwrite deletes: "
+                             f"copy the weights out first (`tabfm ckpt merge {init_from} -o model.safetensors`) and "
+                             "start from the copy, or start the new run in another train.out_dir")
+
+
+def _checkpoint_above(out_dir: Path) -> Path | None:
+    """The checkpoint folder (one holding a manifest) or run's checkpoints/ folder that `out_dir` is or lies in,
+    else None: a run written there would be read as that checkpoint (`tabfm ckpt merge`), and deleted when the
+    other run prunes or overwrites its checkpoints."""
+    resolved = out_dir.resolve()
+    for folder in (resolved, *resolved.parents):
+        if (folder / ckpt.MANIFEST).is_file():
+            return folder
+        if folder.name == CHECKPOINTS and previous_run(folder.parent):
+            return folder
+    return None
+
+
 def _check_out_dir_path(out_dir: Path) -> None:
-    """train.out_dir must be (or become) a folder, and what a run writes there must not be a link out of it."""
+    """train.out_dir must be (or become) a folder outside any checkpoint, and what a run writes there must not be a
+    link out of it."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"train.out_dir={out_dir} is a file; give a folder")
+    inside = _checkpoint_above(out_dir)
+    if inside is not None:
+        raise ValueError(f"train.out_dir={out_dir} lies in {inside}, another run's checkpoints: a run there would be "
+                         "read as that checkpoint and deleted with it; give a folder outside it")
     blocker = file_in_the_way(out_dir)
     if blocker is not None:
         raise ValueError(f"train.out_dir={out_dir} lies under {blocker}, which is a file; give a folder")
-    for name in ("config.yaml", "layout.json", *RUN_FILES):
+    for name in RUN_FILES:
         if (out_dir / name).is_symlink():
             raise ValueError(f"{out_dir / name} is a link (to {(out_dir / name).resolve()}); a run writes there and "
                              "never through a link out of its folder: remove the link")

@@ -142,8 +142,8 @@ def test_a_second_run_into_the_same_folder_is_refused_resumed_or_overwritten(tmp
 
     capsys.readouterr()
     assert cli.main([*args, "train.steps=2", "--overwrite"]) == 0
-    assert f"--overwrite removed {run / 'metrics.jsonl'}, {run / 'checkpoints'}/ (2 checkpoints)" in \
-        capsys.readouterr().err
+    assert (f"--overwrite removed {run / 'metrics.jsonl'}, {run / 'config.yaml'}, {run / 'checkpoints'}/ "
+            "(2 checkpoints)") in capsys.readouterr().err
     assert _steps(run) == [1, 2] and [r["loss"] for r in read_metrics(run)[0]] == losses[:2]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000002"]
 
@@ -176,6 +176,46 @@ def test_overwrite_checks_everything_first_and_deletes_only_what_a_run_wrote(tmp
                          "train.steps=1"]) == 2
         assert message in capsys.readouterr().err
     assert elsewhere.read_text() == "mine: 1\n" and (tmp_path / "a_file").read_text() == "x"
+
+
+def test_overwrite_never_deletes_what_the_new_run_starts_from_or_another_runs_checkpoints(tmp_path, capsys):
+    """Found by an audit: --overwrite with train.init_from inside the run deleted the weights and then failed (both
+    lost); a run inside another run's checkpoint was merged as that checkpoint and pruned with it; an empty
+    out_dir trained into the working folder; a fresh run replaced a config.yaml of the user's."""
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", str(TINY), "--set", *SMALL, "train.steps=2"]
+    assert cli.main([*args, f"train.out_dir={run}"]) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    step = run / "checkpoints" / "step_0000002"
+    assert cli.main([*args, f"train.out_dir={run}", f"train.init_from={step}", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"lies in {run / 'checkpoints'}, which --overwrite deletes" in err[0]
+    assert _snapshot(run) == before
+    for inside in (step / "nested", run / "checkpoints" / "other"):
+        assert cli.main([*args, f"train.out_dir={inside}"]) == 2
+        assert "another run's checkpoints" in capsys.readouterr().err and not inside.exists()
+    assert cli.main([*args, "train.out_dir="]) == 2
+    assert "train.out_dir is empty" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my notes\n")
+    assert cli.main([*args, f"train.out_dir={mine}"]) == 2
+    assert "config.yaml exists and" in capsys.readouterr().err and (mine / "config.yaml").read_text() == "# my notes\n"
+    assert _snapshot(run) == before
+
+
+def test_overwrite_on_two_ranks_keeps_a_users_file_and_trains(tmp_path, capsys):
+    """The launcher cleared the run, keeping a user's file in checkpoints/, and every rank then refused the folder
+    as a run (a torchrun traceback, the old run deleted and nothing trained)."""
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL, "train.steps=2"]
+    assert cli.main(args) == 0
+    (run / "checkpoints" / "NOTES.txt").write_text("mine")
+    assert cli.main(["pretrain", "--nproc", "2", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL,
+                     "train.steps=2", "parallel.d0=2", "--overwrite"]) == 0
+    assert (run / "checkpoints" / "NOTES.txt").read_text() == "mine" and _steps(run) == [1, 2]
+    assert len(list((run / "checkpoints" / "step_0000002").glob("rank*.safetensors"))) == 2
 
 
 def test_pretrain_without_a_config_is_refused_naming_the_shipped_ones(tmp_path, capsys, monkeypatch):
