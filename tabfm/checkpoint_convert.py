@@ -11,6 +11,7 @@ before any tensor is read.
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dic
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.checkpoint_run import LATEST
 from tabfm.model import ModelConfig, TabFM, build_model
-from tabfm.out_paths import CHECKPOINTS
+from tabfm.out_paths import CHECKPOINTS, file_in_the_way
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import shard_tensor
 from tabfm.parallel_model import ParallelOptions, parallelize_model
@@ -33,6 +34,9 @@ def _check_output(out: Path, source: Path, overwrite: bool, folder: bool) -> Non
     folder that is not a checkpoint or a folder where a file is wanted."""
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise ValueError(f"{out} is the checkpoint being read, or a file in its folder; write to another path")
+    blocker = file_in_the_way(out)
+    if blocker is not None:  # found now, not after every shard was read
+        raise ValueError(f"{out} lies under {blocker}, which is a file; write to a path in a folder")
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
@@ -66,10 +70,19 @@ def merge(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     metadata = {"format": MERGED_FORMAT, "model_config": json.dumps(manifest["model_config"]),
                 "step": str(manifest["step"]), "source": str(ckpt_dir)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_tensors(full, tmp, metadata)
-    tmp.replace(out)
+    tmp = _private_name(out, "tmp")  # never a file of the user's, such as OUT.tmp
+    try:
+        save_tensors(full, tmp, metadata)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
+
+
+def _private_name(path: Path, kind: str) -> Path:
+    """A name beside `path` that no file of the user's has (hidden, with a random part): where a merge or reshard
+    writes before the rename into place, and where an output it replaces waits until then."""
+    return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
 
 
 def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -89,19 +102,23 @@ def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwri
     if problems:
         raise ValueError(f"cannot reshard {ckpt_dir} to {d0}x{d1}: " + "; ".join(problems[:6]))
     full = gather_full(ckpt_dir, manifest)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files = {}
-    for i in range(d0):
-        for j in range(d1):
-            local = {key: shard_tensor(t, spec_from_json(manifest["tensors"][key]["spec"]), d0, d1, i, j)
-                     for key, t in full.items()}
-            name = rank_file(i * d1 + j)
-            files[name] = {"coord": [i, j], **save_tensors(local, tmp / name)}
-    new = {**manifest, "layout": {"d0": d0, "d1": d1, "dp": 1}, "files": files,
-           "rng": {"torch": f"dropped when resharding from {manifest['layout']['d0']}x{manifest['layout']['d1']}"}}
-    finish_folder(tmp, out_dir, new)
+    tmp = _private_name(out_dir, "tmp")  # never a folder of the user's (or the source), such as OUT.tmp
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        files = {}
+        for i in range(d0):
+            for j in range(d1):
+                local = {key: shard_tensor(t, spec_from_json(manifest["tensors"][key]["spec"]), d0, d1, i, j)
+                         for key, t in full.items()}
+                name = rank_file(i * d1 + j)
+                files[name] = {"coord": [i, j], **save_tensors(local, tmp / name)}
+        layout = f"{manifest['layout']['d0']}x{manifest['layout']['d1']}"
+        new = {**manifest, "layout": {"d0": d0, "d1": d1, "dp": 1}, "files": files,
+               "rng": {"torch": f"dropped when resharding from {layout}"}}
+        finish_folder(tmp, out_dir, new, aside=_private_name(out_dir, "old"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

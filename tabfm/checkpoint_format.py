@@ -93,13 +93,14 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 
-def finish_folder(tmp: Path, ckpt_dir: Path, manifest: dict) -> None:
-    """Write the manifest last, then swap the folder into place with renames."""
+def finish_folder(tmp: Path, ckpt_dir: Path, manifest: dict, aside: Path | None = None) -> None:
+    """Write the manifest last, then swap the folder into place with renames; an earlier folder at ckpt_dir goes
+    to `aside` (default ckpt_dir.old, the name a run's interrupted saves are recognised by) until the swap is done."""
     path = tmp / MANIFEST
     path.write_text(json.dumps(manifest, indent=1))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    old = ckpt_dir.with_name(ckpt_dir.name + ".old")
+    old = aside if aside is not None else ckpt_dir.with_name(ckpt_dir.name + ".old")
     if ckpt_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         ckpt_dir.rename(old)

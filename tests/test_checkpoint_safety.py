@@ -106,6 +106,30 @@ def test_reshard_to_a_layout_the_model_does_not_fit(plain, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_merge_and_reshard_leave_folders_and_files_of_the_users_names_alone(plain, tmp_path):
+    """Found by an audit: both wrote beside the output under fixed names, OUT.tmp and OUT.old, deleting a folder
+    of the user's of that name, the source checkpoint itself when it was called OUT.tmp, or overwriting a file."""
+    import shutil
+
+    path, model = plain
+    source = Path(shutil.copytree(path, tmp_path / "resharded.tmp"))  # the source, named as the old temporary
+    mine = tmp_path / "resharded.old"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (tmp_path / "model.safetensors.tmp").write_text("mine")
+    before = _snapshot(tmp_path)
+    ckpt.reshard(source, 1, 1, tmp_path / "resharded")
+    ckpt.reshard(source, 1, 1, tmp_path / "resharded", overwrite=True)
+    ckpt.merge(source, tmp_path / "model.safetensors")
+    after = _snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before  # the source and the user's files as they were
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["plain", "resharded.tmp", "resharded.old", "model.safetensors.tmp", "resharded", "model.safetensors"])
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="lies under .*a_file, which is a file"):
+        ckpt.merge(source, tmp_path / "a_file" / "m.safetensors")
+
+
 def test_optimizer_missing_from_checkpoint(tmp_path):
     model = _model()
     path = ckpt.save_checkpoint(tmp_path / "noopt", model)
