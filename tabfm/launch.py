@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 GRACE_SECONDS = 30.0
-"""How long the launcher waits, after Ctrl-C, for torchrun to stop its ranks before killing it."""
+"""How long the launcher waits, after Ctrl-C or SIGTERM, for torchrun and its ranks to stop before killing them."""
 
 _COUNTED = ("+", "*")
 
@@ -101,18 +101,50 @@ def exit_status(returncode: int) -> int:
 
 
 def run_command(cmd: Sequence[str], env: dict[str, str]) -> int:
-    """Run torchrun and return its exit status. On Ctrl-C torchrun (same process group, same signal) stops its
-    ranks; the launcher waits for that (GRACE_SECONDS) rather than killing torchrun and orphaning them."""
-    proc = subprocess.Popen(list(cmd), env=env)
+    """Run torchrun in a process group of its own and return its exit status. SIGINT or SIGTERM to the launcher
+    (Ctrl-C, `timeout`, a scheduler) goes to that whole group, torchrun and its ranks, as a terminal's Ctrl-C goes
+    to every process of its group: the ranks stop as they do on Ctrl-C, and none is left training after the
+    launcher has gone (it used to die alone on SIGTERM, and a SIGINT that reached one of its other threads waited
+    for torchrun to end). It then waits GRACE_SECONDS for them before killing the group; Ctrl-C is raised again
+    as KeyboardInterrupt, SIGTERM returns 128 + 15."""
+    import threading
+    import time
+
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    received: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not received:  # once: a second signal during the grace period does not cut the ranks' cleanup short
+            received.append(signum)
+            _signal_group(proc, signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, stop) for sig in handled}
     try:
-        return exit_status(proc.wait())
-    except KeyboardInterrupt:
-        try:
-            proc.wait(timeout=GRACE_SECONDS)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        raise
+        deadline = None
+        while True:
+            try:
+                returncode = proc.wait(timeout=0.2)  # short waits: the handler runs between them
+                break
+            except subprocess.TimeoutExpired:
+                if received and deadline is None:
+                    deadline = time.monotonic() + GRACE_SECONDS
+                if deadline is not None and time.monotonic() > deadline:
+                    _signal_group(proc, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    return 128 + received[0] if received else exit_status(returncode)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the process group torchrun leads (torchrun and its ranks); nothing if it has ended."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def run_torchrun(module: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> int:
