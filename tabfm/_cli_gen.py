@@ -40,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default = getattr(d, flag)
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=default, help=f"{what} (default: {default})")
     p.add_argument("--workers", type=int, default=0, help="processes drawing tables (default: 0, this one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (errors still show)")
     p.set_defaults(run=run)
 
 
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if args.n_tables < 1:
             raise ValueError(f"--n-tables={args.n_tables} must be >= 1")
         prepare_out(args.out, args.overwrite)
-        with tqdm(total=args.n_tables, unit="table", desc=f"gen {args.prior}") as bar:
+        with tqdm(total=args.n_tables, unit="table", desc=f"gen {args.prior}", disable=args.quiet) as bar:
             out = write_tables(
                 cfg,
                 args.out,

@@ -182,8 +182,10 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
     out = check_png(output if output else Path(run_dir) / "curves.png", "-o")
     train, evals = read_metrics(run_dir)
+    train = [r for r in train if all(isinstance(r.get(k), int | float) for k in ("loss", "lr"))]  # else no curve
+    evals = [r for r in evals if isinstance(r.get("eval"), dict)]
     if not train:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no training lines yet")
+        raise ValueError(f"{run_dir}/metrics.jsonl has no training lines (with a loss and a learning rate) yet")
     fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(15 if evals else 10, 4))
     for task in sorted({r.get("task", "all") for r in train}):
         rows = [r for r in train if r.get("task", "all") == task]
@@ -199,8 +201,9 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     if evals:
         steps = [r["step"] for r in evals]
         for key in ("mean_roc_auc", "mean_accuracy", "mean_log_loss"):
-            if key in evals[0]["eval"]:
-                axes[2].plot(steps, [r["eval"][key] for r in evals], marker="o", label=key)
+            held = [(step, r["eval"][key]) for step, r in zip(steps, evals, strict=True) if key in r["eval"]]
+            if held:  # evaluations need not all carry the same keys (a run resumed with other eval settings)
+                axes[2].plot(*zip(*held, strict=True), marker="o", label=key)
         axes[2].set(xlabel="step", title="evaluation on real tables")
         axes[2].legend()
     fig.suptitle(f"tabfm run {run_dir}")

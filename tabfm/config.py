@@ -173,6 +173,8 @@ class TrainConfig:
                     "eval_max_train_rows": 1}
         _check_ranges(self, "train", {name: (lambda v, low=low: v >= low, f">= {low}")
                                       for name, low in at_least.items()})
+        _check_ranges(self, "train", {"seed": (lambda v: 0 <= v < 2**63, "within [0, 2**63): torch.manual_seed "
+                                               "takes a 64-bit seed")})
         if self.dtype == "bfloat16":
             raise ValueError("train.dtype=bfloat16 is no longer supported (no float32 master weights); use "
                              "train.dtype: float32 with train.precision: bf16")

@@ -230,7 +230,8 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
 
         # a misspelled preset, or one of another device count: here, not on rank 0 once every rank has started
         load_topology(cfg.parallel.topology, world_size)
-    resolve_device(cfg)
+    device = resolve_device(cfg)
+    _check_kernels(cfg, device)
     _check_tables_fit_model(cfg)
     if not str(cfg.train.out_dir).strip():  # Path("") is ".": the run would write into the working folder
         raise ValueError("train.out_dir is empty; give the folder the run writes to")
@@ -260,6 +261,21 @@ def _check_resume_point(out_dir: Path, resume: str, cfg: RunConfig) -> None:
         raise ValueError(f"{found} was saved for another model than this run's (saved vs now: {changed}); resume "
                          "with the run's own model settings (its config.yaml), or start a new run in another "
                          "train.out_dir")
+
+
+def _check_kernels(cfg: RunConfig, device: Any) -> None:
+    """parallel.kernels=triton where the tensor-parallel layers could not run it (every rank's traceback, once
+    training had started); with d0 = d1 = 1 the kernels are never used."""
+    from tabfm.parallel.kernels.ops import interpreting, triton_available
+
+    if cfg.parallel.kernels != "triton" or cfg.parallel.d0 * cfg.parallel.d1 == 1:
+        return
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"parallel.kernels=triton runs on CUDA tensors, and this run's device is {device.type}: use "
+                         "parallel.kernels=auto or torch (or train.device=cuda)")
+    if not triton_available():
+        raise ValueError("parallel.kernels=triton needs the triton package (pip install triton); use "
+                         "parallel.kernels=auto or torch")
 
 
 def _check_tables_fit_model(cfg: RunConfig) -> None:

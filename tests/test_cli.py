@@ -113,6 +113,13 @@ def test_gen_refuses_a_non_empty_folder_unless_overwrite(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_gen_shows_progress_unless_quiet(tmp_path, capsys):
+    assert _gen(tmp_path / "a", 2) == 0
+    assert "gen trees" in capsys.readouterr().err  # tqdm's bar, on stderr
+    assert _gen(tmp_path / "b", 2, "--quiet") == 0
+    assert capsys.readouterr().err == "" and len(list((tmp_path / "b").glob("table_*.parquet"))) == 2
+
+
 def test_gen_refuses_a_file_as_out(tmp_path, capsys):
     f = tmp_path / "x.parquet"
     f.write_text("keep")

@@ -247,6 +247,11 @@ BAD_CONFIGS = {
                                     "data.table.max_features=100 is more than the model takes"),
     "an infinite learning rate": (["--set", "parallel.d0=2", "parallel.d1=2", "optim.lr=inf"],
                                   "optim.lr must be a finite number > 0, got inf (from --set optim.lr=inf)"),
+    # found by an audit: these failed on every rank once torchrun had started
+    "a seed past 64 bits": (["--set", "parallel.d0=2", "parallel.d1=2", "train.seed=99999999999999999999999"],
+                            "train.seed must be within [0, 2**63)"),
+    "Triton kernels on a CPU mesh": (["--set", "parallel.d0=2", "parallel.d1=2", "parallel.kernels=triton"],
+                                     "parallel.kernels=triton runs on CUDA tensors, and this run's device is cpu"),
 }
 
 
@@ -299,6 +304,18 @@ def test_plot_run_drops_a_torn_last_line_and_names_a_corrupt_one(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "metrics.jsonl line 2 is not a metrics record" in err[0]
     assert not (run / "curves.png").exists()
+
+
+def test_plot_run_draws_a_log_whose_lines_differ_in_their_fields(tmp_path, capsys):
+    """Found by an audit: a line without a loss, or evaluations whose keys differ from the first's, were a KeyError
+    traceback; such lines are left out of the curve they lack."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 1, "loss": 1.0, "lr": 1e-3}, {"step": 2, "lr": 1e-3}, {"step": 3, "loss": 0.5, "lr": 1e-3},
+             {"step": 2, "eval": {"mean_accuracy": 0.7}}, {"step": 3, "eval": {"mean_roc_auc": 0.8}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert cli.main(["plot-run", str(run)]) == 0
+    assert (run / "curves.png").stat().st_size > 0
 
 
 def test_under_nproc_the_launcher_refuses_or_clears_the_old_run_once(tmp_path, capsys, monkeypatch):
