@@ -199,9 +199,12 @@ def test_busy_processes_spin_for_the_block_and_stop_after_it_even_on_an_error():
     from builders import benchmark_module
 
     busy = benchmark_module("host_threads").busy_processes
+    before = {p.pid for p in multiprocessing.active_children()}  # other tests' workers (a forkserver) may live on
+    started = []
     with pytest.raises(RuntimeError, match="inside"):
         with busy(2):
-            alive = [p for p in multiprocessing.active_children() if p.is_alive()]
-            assert len(alive) == 2
+            started = [p for p in multiprocessing.active_children() if p.pid not in before and p.is_alive()]
+            assert len(started) == 2
             raise RuntimeError("inside")
-    assert not multiprocessing.active_children()
+    assert not any(p.is_alive() for p in started)
+    assert {p.pid for p in multiprocessing.active_children()} <= before
