@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from tabfm.data.priors.mix import PriorConfig
@@ -191,3 +192,26 @@ class DataConfig:
         """Tests and smoke runs: batches of 8 tables x 64 rows x 8 feature columns."""
         table = TableConfig(min_rows=64, max_rows=64, min_features=8, max_features=8)
         return cls(**{"seed": seed, "batch_size": 8, "table": table, **overrides})
+
+
+BYTES_PER_CELL = 16
+"""A floor on what one cell of a prior table costs before the model sees it (a float64 value, its missing flag and
+category code): what one batch of the largest tables needs at the least."""
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_tables_fit_memory(rows: int, features: int, tables: int, what: str) -> None:
+    """Refuse (ValueError) tables whose raw cells alone pass this machine's memory: found at the first batch, after
+    the run has started, as a MemoryError traceback."""
+    need, have = tables * rows * (features + 1) * BYTES_PER_CELL, physical_memory()
+    if have is not None and need > have:
+        raise ValueError(f"{what}: {tables} table(s) of up to {rows:,} rows x {features} features need at least "
+                         f"{need / 2**30:,.0f} GiB for their raw cells alone, and this machine has "
+                         f"{have / 2**30:,.0f} GiB: lower the rows")

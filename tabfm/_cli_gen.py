@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tabfm.data.config import DataConfig, TableConfig
+from tabfm.data.config import DataConfig, TableConfig, check_tables_fit_memory
 from tabfm.data.priors.mix import PRIOR_NAMES, PriorConfig
 from tabfm.out_paths import file_in_the_way
 
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             max_classes=args.max_classes,
         )
         cfg = DataConfig(seed=args.seed, prior=PriorConfig(name=args.prior), table=table)
+        check_tables_fit_memory(args.max_rows, args.max_features, 1, f"--max-rows {args.max_rows}")
         if args.workers < 0:
             raise ValueError(f"--workers={args.workers} must be >= 0")
         if args.n_tables < 1:

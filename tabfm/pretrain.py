@@ -46,6 +46,7 @@ from tabfm import checkpoint as ckpt
 from tabfm._cli_train import add_run_dir_arguments, read_metrics_file
 from tabfm.checkpoint import latest_checkpoint
 from tabfm.config import RunConfig, dump_config, load_config
+from tabfm.data.config import check_tables_fit_memory
 from tabfm.layout import check_layout, fitting_layouts
 from tabfm.out_paths import CHECKPOINTS, checkpoints_of, file_in_the_way
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
@@ -279,8 +280,11 @@ def _check_kernels(cfg: RunConfig, device: Any) -> None:
 
 
 def _check_tables_fit_model(cfg: RunConfig) -> None:
-    """The prior's widest tables and most classes within what the model takes (else the first such batch fails)."""
+    """The prior's widest tables and most classes within what the model takes (else the first such batch fails),
+    and one batch of the largest within this machine's memory."""
     table, model = cfg.data.table, cfg.model
+    check_tables_fit_memory(table.max_rows, table.max_features, cfg.data.batch_size,
+                            f"data.table.max_rows={table.max_rows} with data.batch_size={cfg.data.batch_size}")
     if table.max_features > model.max_columns:
         raise ValueError(f"data.table.max_features={table.max_features} is more than the model takes "
                          f"(model.max_columns={model.max_columns}): lower it, or use a model with more columns")

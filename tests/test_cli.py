@@ -120,6 +120,15 @@ def test_gen_shows_progress_unless_quiet(tmp_path, capsys):
     assert capsys.readouterr().err == "" and len(list((tmp_path / "b").glob("table_*.parquet"))) == 2
 
 
+def test_gen_refuses_tables_larger_than_memory_before_writing(tmp_path, capsys):
+    """Found by an audit: a MemoryError traceback at the first table, and an empty --out left behind."""
+    out = tmp_path / "tables"
+    assert _gen(out, 2, "--min-rows", "100000000000", "--max-rows", "100000000000") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB for their raw cells alone" in err[0] and "lower the rows" in err[0]
+    assert not out.exists()
+
+
 def test_gen_refuses_a_file_as_out(tmp_path, capsys):
     f = tmp_path / "x.parquet"
     f.write_text("keep")

@@ -252,6 +252,8 @@ BAD_CONFIGS = {
                             "train.seed must be within [0, 2**63)"),
     "Triton kernels on a CPU mesh": (["--set", "parallel.d0=2", "parallel.d1=2", "parallel.kernels=triton"],
                                      "parallel.kernels=triton runs on CUDA tensors, and this run's device is cpu"),
+    "tables larger than memory": (["--set", "parallel.d0=2", "parallel.d1=2", "data.table.max_rows=100000000000"],
+                                  "need at least 53,644 GiB for their raw cells alone"),
 }
 
 
