@@ -207,6 +207,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], cls: type | N
         for depth, key in enumerate(keys[:-1]):
             tp = _field_type(tp, key) if tp is not None else None
             child = node.get(key)
+            if child is None and key in node:  # `train:` with every key commented out: refused as without --set
+                raise ConfigError(f"{'.'.join(keys[:depth + 1])} is empty in the config file (null, every key "
+                                  "commented out?): give it keys, or remove the line to take its defaults")
             if isinstance(child, str) and _preset_class(tp) is not None:
                 child = {"preset": child}
             if (child is not None and not isinstance(child, dict)) or (tp is not None and not _is_section(tp)):

@@ -129,6 +129,17 @@ def test_errors_name_the_key_and_the_file(tmp_path):
     assert _error(load_config, tmp_path / "nope.yaml") == f"config file {tmp_path / 'nope.yaml'} does not exist"
 
 
+def test_an_empty_section_is_refused_with_or_without_set(tmp_path):
+    """Found by an audit: `train:` with its keys commented out was refused alone, but a --set train.X turned it
+    into the defaults (a 1000-step run into runs/default)."""
+    run = tmp_path / "run.yaml"
+    run.write_text("model: tiny\ntrain:\n  # steps: 3\n")
+    assert "train must be a mapping of TrainConfig fields, got None" in _error(load_config, run)
+    assert _error(load_config, run, ["train.steps=3"]) == ("train is empty in the config file (null, every key "
+                                                           "commented out?): give it keys, or remove the line to "
+                                                           "take its defaults")
+
+
 def test_a_section_check_blames_the_key_it_names():
     """A dataclass's own check (__post_init__) names the value; the origin is that key's, not its section's."""
     assert _error(load_config, TINY, ["model.embed_dim=10"]) == \
