@@ -11,9 +11,11 @@ table can be regenerated on its own.
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
@@ -54,6 +56,19 @@ def _write_range(cfg: DataConfig, out: Path, start: int, stop: int, task: str | 
     return stop - start
 
 
+MIN_TABLE_BYTES = 1024
+"""A floor on what one written table takes on disk (its Parquet file and JSON sidecar: a 4 x 1 table takes
+about 1.3 KB), for refusing a count the disk cannot hold before writing any."""
+
+def check_fits_disk(out: Path, n_tables: int) -> None:
+    """Refuse (ValueError) more tables than the disk under `out` could hold at MIN_TABLE_BYTES each: found before
+    any folder or table is written, not when the disk is full."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if n_tables * MIN_TABLE_BYTES > free:
+        raise ValueError(f"{n_tables:,} tables need at least {n_tables * MIN_TABLE_BYTES / 2**30:,.0f} GiB and "
+                         f"{existing} has {free / 2**30:,.0f} GiB free: write fewer tables")
+
 def write_tables(
     cfg: DataConfig,
     out: str | Path,
@@ -69,16 +84,23 @@ def write_tables(
     if n_tables < 1:
         raise ValueError(f"n_tables={n_tables} must be >= 1")
     out = Path(out)
+    check_fits_disk(out, n_tables)
     out.mkdir(parents=True, exist_ok=True)
     chunk = 16
-    ranges = [(s, min(s + chunk, n_tables)) for s in range(0, n_tables, chunk)]
+    ranges = ((s, min(s + chunk, n_tables)) for s in range(0, n_tables, chunk))  # lazily: n_tables may be large
     if workers > 0:
         with ProcessPoolExecutor(workers, mp_context=get_context(cfg.mp_context)) as pool:
-            futures = [pool.submit(_write_range, cfg, out, s, e, task) for s, e in ranges]
-            for f in as_completed(futures):
-                done = f.result()
-                if progress:
-                    progress(done)
+            pending: set = set()
+            for s, e in itertools.chain(ranges, [(None, None)]):  # a bounded number in flight; the end drains it
+                if pending and (s is None or len(pending) >= 4 * workers):
+                    finished, pending = wait(pending, return_when=ALL_COMPLETED if s is None else FIRST_COMPLETED)
+                    for f in finished:
+                        if progress:
+                            progress(f.result())
+                        else:
+                            f.result()
+                if s is not None:
+                    pending.add(pool.submit(_write_range, cfg, out, s, e, task))
     else:
         for i in range(n_tables):
             write_table(table_at(cfg, i, task), out, i)

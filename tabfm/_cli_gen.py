@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     """Write the tables; 0 on success, 2 on a bad option (with what to change)."""
     from tqdm import tqdm
 
-    from tabfm.data.dump import write_tables
+    from tabfm.data.dump import check_fits_disk, write_tables
 
     try:
         table = replace(
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers={args.workers} must be >= 0")
         if args.n_tables < 1:
             raise ValueError(f"--n-tables={args.n_tables} must be >= 1")
+        check_fits_disk(Path(args.out), args.n_tables)
         prepare_out(args.out, args.overwrite)
         with tqdm(total=args.n_tables, unit="table", desc=f"gen {args.prior}", disable=args.quiet) as bar:
             out = write_tables(

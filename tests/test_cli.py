@@ -127,6 +127,10 @@ def test_gen_refuses_tables_larger_than_memory_before_writing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GiB for their raw cells alone" in err[0] and "lower the rows" in err[0]
     assert not out.exists()
+    assert _gen(out, 10**13, "--workers", "2") == 2  # once a list of every range, then a MemoryError
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "10,000,000,000,000 tables need at least" in err[0] and "write fewer tables" in err[0]
+    assert not out.exists()
 
 
 def test_gen_refuses_a_file_as_out(tmp_path, capsys):
