@@ -464,3 +464,22 @@ def test_an_estimator_fitted_with_a_random_generator_saves_its_seed(random_state
     assert loaded.random_state == clf.seed_ and isinstance(loaded.random_state, int)
     np.testing.assert_array_equal(loaded.predict_proba(X), clf.predict_proba(X))
     np.testing.assert_array_equal(loaded.fit(X, X["colour"]).predict_proba(X), clf.predict_proba(X))
+
+
+def test_weights_from_a_checkpoint_folder_are_named_by_its_manifest(tmp_path):
+    """A checkpoint folder (one file per rank) is named by its manifest, which holds each rank file's SHA-256: the
+    same folder loads, the folder saved again with other weights is refused."""
+    from builders import tiny_model
+
+    from tabfm import checkpoint as ckpt
+
+    folder = ckpt.save_checkpoint(tmp_path / "step", tiny_model(seed=1).float())
+    X = table(60)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, checkpoint=folder).fit(X, X["colour"])
+    expected = clf.predict_proba(X)
+    clf.save(tmp_path / "clf")
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "clf").predict_proba(X), expected)
+    shutil.rmtree(folder)
+    ckpt.save_checkpoint(folder, tiny_model(seed=2).float())
+    with pytest.raises(ValueError, match="which now names other weights"):
+        TabFMClassifier.load(tmp_path / "clf")
