@@ -168,14 +168,15 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         held_members = self._held_members(n_members, len(y_ids) - len(held))
         if len(held) and held_members:
             self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
-            self.temperature_, self.blend_weight_, linear = self._fit_temperature(
-                self._cell_outputs(self.train_cells_.take(held), members=held_members), held)
+            logp = self._cell_outputs(self.train_cells_.take(held), members=held_members)
+            with host_work(len(y_ids)):  # the logistic regressions and the blend's search, between forwards
+                self.temperature_, self.blend_weight_, linear = self._fit_temperature(logp, held)
         else:
             self._fit_common(X, y_ids, n_members, model, encode=False)
             self.temperature_, self.blend_weight_, linear = (
                 self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, None))
             self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
-        with host_work():
+        with host_work(len(self.y_train_)):
             self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
                                                     start=linear.kept) if self.blend_weight_ > 0 else None)
         return self
@@ -191,7 +192,6 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    @host_work()  # the logistic regressions and the blend's search: CPU work between forwards
     def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, LinearChoice]:
         """(softmax temperature, blend weight, the logistic regression's LinearChoice) that minimise the log-loss
         of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts without
@@ -244,13 +244,15 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
                              max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
         probe.contexts_ = None
-        return self._fit_temperature(probe._cell_outputs(self.train_cells_.take(held)), held)
+        logp = probe._cell_outputs(self.train_cells_.take(held))
+        with host_work(n):
+            return self._fit_temperature(logp, held)
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
         if getattr(self, "linear_model_", None) is None:  # also an estimator saved before the blend existed
             return proba
-        with host_work():
+        with host_work(len(self.y_train_)):
             linear = self.linear_model_.predict_proba(cells)
         return (1 - self.blend_weight_) * proba + self.blend_weight_ * linear
 

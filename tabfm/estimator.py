@@ -138,7 +138,7 @@ class _TabFMBase(BaseEstimator):
         """Preprocess, draw the ensemble and (unless encode is False) encode the contexts; y is [n] class ids or
         float targets; held: train rows the first held_members members' local contexts leave out (the
         classifier's calibration rows)."""
-        with host_work():  # the forwards come after, on table threads
+        with host_work(len(y)):  # the forwards come after, on table threads
             X = arrow_as_polars(X)
             validate_data(self, X, reset=True, skip_check_array=True)
             kinds = ((self.numeric_transforms,) if isinstance(self.numeric_transforms, str)
@@ -341,7 +341,7 @@ class _TabFMBase(BaseEstimator):
     def _cells_of(self, X: Any) -> Cells:
         """The preprocessed cells of the rows of X, checked against what fit saw."""
         check_is_fitted(self, "preprocessor_")
-        with host_work():
+        with host_work(len(self.y_train_)):
             X = arrow_as_polars(X)
             check_table_shape(X)
             validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
@@ -387,7 +387,7 @@ class _TabFMBase(BaseEstimator):
         n, M = len(cells.values), self.n_members_ if members is None else members
         route = second = share = None
         if self.local_ is not None:
-            with host_work():
+            with host_work(len(self.y_train_)):
                 route, second, share = (a[:M] for a in self.local_.routes(cells, train_points))  # [M, n] each
             if not self._mixes_contexts():
                 second, share = route, np.zeros_like(share)

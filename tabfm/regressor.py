@@ -183,7 +183,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         """[n] what the linear base adds to the model's prediction of each row, in target units."""
         if self.linear_base_ is None:
             return np.zeros(len(cells.values))
-        with host_work():
+        with host_work(len(self.y_train_)):
             return self.target_scale_.scale * self.linear_base_.predict(cells)
 
     def _n_outputs(self) -> int:

@@ -65,16 +65,24 @@ def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+HOST_WORK_ROWS = 10_000
+"""Up to this many train rows the estimators' CPU work between forwards runs on one thread (host_work); above,
+on the threads n_jobs gives, where the local contexts' k-means and searches grow large enough for a team: at
+100,000 rows x 20 columns they took 7.7-8.9 s on 2 threads and 11.2-11.7 s on one (a quiet 2-core VM), at 10,000
+rows 0.28-0.35 s against 0.36 s."""
+
+
 @contextlib.contextmanager
-def host_work() -> Iterator[None]:
-    """torch's intra-op threads and the BLAS threads at 1 within the block (this thread), restored after: for the
+def host_work(rows: int) -> Iterator[None]:
+    """torch's intra-op threads and the BLAS threads at 1 within the block (this thread), restored after, for the
     estimators' CPU work between forwards (preprocessing, the local contexts' k-means and nearest-row searches, the
-    linear models). Its ops are small (a thousand rows by tens of columns), too small to gain from a team of
-    threads, and on a busy machine each op of a team waits for a thread that has no core: at 1,000 x 1,000 x 20
-    with another process running, fit took 2.8-5.0 s with the default threads and 1.8-2.2 s with this."""
+    linear models) on a table of `rows` train rows, up to HOST_WORK_ROWS. Its ops are small there (a thousand
+    rows by tens of columns), too small to gain from a team of threads, and on a busy machine each op of a team
+    waits for a thread that has no core: at 1,000 x 1,000 x 20 beside two busy processes fit + predict took
+    4.25 s with the default threads and 3.57 s with this (benchmarks/host_threads.py)."""
     from threadpoolctl import threadpool_limits
 
-    if getattr(_state, "host_all", False):
+    if getattr(_state, "host_all", False) or rows > HOST_WORK_ROWS:
         yield
         return
     before = torch.get_num_threads()

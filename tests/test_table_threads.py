@@ -140,13 +140,22 @@ def _blas_threads() -> int:
 
 
 def test_host_work_runs_on_one_thread_and_restores_the_counts_even_on_an_error():
-    before = torch.get_num_threads(), _blas_threads()
-    with host_work():
-        assert (torch.get_num_threads(), _blas_threads()) == (1, 1)
-    with pytest.raises(RuntimeError, match="inside"):
-        with host_work():
-            raise RuntimeError("inside")
-    assert (torch.get_num_threads(), _blas_threads()) == before
+    from tabfm.table_threads import HOST_WORK_ROWS
+
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = torch.get_num_threads(), _blas_threads()
+        with host_work(HOST_WORK_ROWS):
+            assert (torch.get_num_threads(), _blas_threads()) == (1, 1)
+        with pytest.raises(RuntimeError, match="inside"):
+            with host_work(100):
+                raise RuntimeError("inside")
+        assert (torch.get_num_threads(), _blas_threads()) == before
+        with host_work(HOST_WORK_ROWS + 1):  # large tables: k-means and searches big enough for a team of threads
+            assert (torch.get_num_threads(), _blas_threads()) == before
+    finally:
+        torch.set_num_threads(original)
 
 
 @pytest.mark.parametrize("Estimator", [TabFMClassifier, TabFMRegressor])
