@@ -54,7 +54,7 @@ def add_run_dir_arguments(parser: argparse.ArgumentParser) -> None:
                         "dropped. Without --resume or --overwrite an out_dir that holds a run is refused")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in an out_dir that holds a run: first deletes its metrics.jsonl, "
-                        "curves.png and checkpoints/ (config.yaml is rewritten)")
+                        "curves.png, config.yaml, layout.json and what a run wrote in checkpoints/")
 
 
 def _pretrain(args: argparse.Namespace) -> int:
@@ -67,7 +67,7 @@ def _pretrain(args: argparse.Namespace) -> int:
         return _fail("--nproc must be at least 1 and --max-restarts at least 0")
     try:
         cfg = pretrain.load_run_config(args.config, args.set)
-        pretrain.check_run(cfg, args.nproc, args.resume, args.overwrite)
+        pretrain.check_run(cfg, args.nproc, args.resume, args.overwrite, args.config)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -126,11 +126,6 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
     if held and resume is None and not overwrite:
         raise ValueError(f"{out_dir} already holds a run ({' and '.join(held)}): continue it with --resume auto, "
                          "start another with --set train.out_dir=NEW_DIR, or delete it with --overwrite")
-    config = out_dir / "config.yaml"
-    if not held and config.is_file() and resume is None and not overwrite:
-        raise ValueError(f"{config} exists and {out_dir} holds no run: a run writes its config there, which would "
-                         "replace that file; move it (a --config file belongs outside train.out_dir), start the "
-                         "run in another train.out_dir, or replace it with --overwrite")
     if resume is not None and (out_dir / "metrics.jsonl").is_file():
         read_metrics_file(out_dir / "metrics.jsonl", warn=False)  # corrupt: refused now, not on rank 0 mid-run
     if resume == "auto":
@@ -222,9 +217,11 @@ def load_run_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
     return load_config(path, list(overrides))
 
 
-def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bool) -> None:
+def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bool,
+              config_path: str | None = None) -> None:
     """Everything checkable before any process group starts (ValueError, one line): the layout against the
-    process count and the model, the topology preset of layout auto, the device, and what train.out_dir holds."""
+    process count and the model, the topology preset of layout auto, the device, what train.out_dir holds, and
+    that a new run's --config file (`config_path`) is not the config.yaml it replaces (or --overwrite deletes)."""
     check_run_layout(cfg, world_size)
     if cfg.parallel.layout == "auto" and cfg.parallel.topology != "measure":
         from tabfm.config import load_topology
@@ -239,6 +236,10 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
     out_dir = Path(cfg.train.out_dir)
     _check_out_dir_path(out_dir)
     check_out_dir(out_dir, resume, overwrite)
+    if resume is None and config_path and Path(config_path).resolve() == (out_dir / "config.yaml").resolve():
+        raise ValueError(f"--config {config_path} is train.out_dir's config.yaml, which a new run replaces (and "
+                         "--overwrite deletes): copy it outside train.out_dir and pass the copy, or continue the "
+                         "run with --resume")
     if cfg.train.init_from and resume is None:  # resuming, a checkpoint takes precedence over init_from
         ckpt.check_init_from(cfg.train.init_from, cfg.model)  # before --overwrite deletes anything
         if overwrite:
@@ -305,13 +306,27 @@ def _check_init_from_survives(init_from: Path, out_dir: Path) -> None:
                              "start from the copy, or start the new run in another train.out_dir")
 
 
+def _is_checkpoint_manifest(path: Path) -> bool:
+    """Whether `path` is a tabfm checkpoint's manifest (JSON naming a model config and rank files), not any file of
+    that name (a web app's manifest.json in a project folder)."""
+    import json
+
+    if not path.is_file():
+        return False
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"model_config", "files", "layout"} <= set(manifest)
+
+
 def _checkpoint_above(out_dir: Path) -> Path | None:
     """The checkpoint folder (one holding a manifest) or run's checkpoints/ folder that `out_dir` is or lies in,
     else None: a run written there would be read as that checkpoint (`tabfm ckpt merge`), and deleted when the
     other run prunes or overwrites its checkpoints."""
     resolved = out_dir.resolve()
     for folder in (resolved, *resolved.parents):
-        if (folder / ckpt.MANIFEST).is_file():
+        if _is_checkpoint_manifest(folder / ckpt.MANIFEST):
             return folder
         if folder.name == CHECKPOINTS and previous_run(folder.parent):
             return folder
@@ -359,7 +374,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[StepHook] = ()) -> i
         if args.overwrite and world > 1:
             raise ValueError("--overwrite under torchrun: clear the run from one process first, e.g. with "
                              "`tabfm pretrain --nproc N ... --overwrite`, which does so before starting the ranks")
-        check_run(cfg, world, args.resume, args.overwrite)
+        check_run(cfg, world, args.resume, args.overwrite, args.config)
     except ValueError as e:
         return _config_error(str(e))
     if args.overwrite and (note := clear_run(Path(cfg.train.out_dir))):

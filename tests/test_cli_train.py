@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -199,10 +200,22 @@ def test_overwrite_never_deletes_what_the_new_run_starts_from_or_another_runs_ch
     assert "train.out_dir is empty" in capsys.readouterr().err
     mine = tmp_path / "mine"
     mine.mkdir()
-    (mine / "config.yaml").write_text("# my notes\n")
-    assert cli.main([*args, f"train.out_dir={mine}"]) == 2
-    assert "config.yaml exists and" in capsys.readouterr().err and (mine / "config.yaml").read_text() == "# my notes\n"
+    (mine / "config.yaml").write_text(f"# my notes\n{TINY.read_text()}")  # the --config kept in the out_dir
+    own = ["--config", str(mine / "config.yaml"), "--set", *SMALL, "train.steps=2", f"train.out_dir={mine}"]
+    for argv in (["pretrain", *own], ["pretrain", *own, "--overwrite"],
+                 ["pretrain", "--nproc", "2", *own, "parallel.d0=2", "--overwrite"]):
+        assert cli.main(argv) == 2
+        assert "is train.out_dir's config.yaml, which a new run replaces" in capsys.readouterr().err, argv
+        assert (mine / "config.yaml").read_text().startswith("# my notes\n")
     assert _snapshot(run) == before
+    project = tmp_path / "project"  # a project's own manifest.json above a run is not a checkpoint
+    project.mkdir()
+    (project / "manifest.json").write_text('{"name": "my web app"}')
+    assert cli.main([*args, f"train.out_dir={project / 'runs' / 'tiny'}"]) == 0
+    capsys.readouterr()
+    (project / "runs" / "tiny" / "metrics.jsonl").unlink()  # as a start-up crash leaves it: config.yaml, no run
+    shutil.rmtree(project / "runs" / "tiny" / "checkpoints")
+    assert cli.main([*args, f"train.out_dir={project / 'runs' / 'tiny'}"]) == 0  # the same command runs again
 
 
 def test_overwrite_on_two_ranks_keeps_a_users_file_and_trains(tmp_path, capsys):
