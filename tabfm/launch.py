@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 GRACE_SECONDS = 30.0
 """How long the launcher waits, after Ctrl-C or SIGTERM, for torchrun and its ranks to stop before killing them."""
@@ -101,50 +101,57 @@ def exit_status(returncode: int) -> int:
 
 
 def run_command(cmd: Sequence[str], env: dict[str, str]) -> int:
-    """Run torchrun in a process group of its own and return its exit status. SIGINT or SIGTERM to the launcher
-    (Ctrl-C, `timeout`, a scheduler) goes to that whole group, torchrun and its ranks, as a terminal's Ctrl-C goes
-    to every process of its group: the ranks stop as they do on Ctrl-C, and none is left training after the
-    launcher has gone (it used to die alone on SIGTERM, and a SIGINT that reached one of its other threads waited
-    for torchrun to end). It then waits GRACE_SECONDS for them before killing the group; Ctrl-C is raised again
-    as KeyboardInterrupt, SIGTERM returns 128 + 15."""
+    """Run torchrun and return its exit status. torchrun stays in the launcher's process group, so what a terminal
+    sends the job (Ctrl-C, a hang-up) reaches torchrun and its ranks as before. A SIGTERM to the launcher alone
+    (`timeout`, a scheduler) is passed on to torchrun once, which stops its ranks (the launcher used to die alone
+    and leave them training); it then returns 128 + 15. On Ctrl-C torchrun (same group, same signal; passed on
+    too, for a SIGINT sent to the launcher alone) stops its ranks; the launcher waits for that (GRACE_SECONDS)
+    rather than killing torchrun and orphaning them. The wait
+    is a loop of short waits, so a signal is handled at once even when it lands on another of the launcher's
+    threads."""
     import threading
+
+    proc = subprocess.Popen(list(cmd), env=env)
+    terminated: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if not terminated:  # once: a second SIGTERM does not cut torchrun's shutdown of its ranks short
+            terminated.append(signum)
+            proc.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers belong to the main thread
+    previous = signal.signal(signal.SIGTERM, forward) if main else None
+    try:
+        returncode = _wait_for(proc, lambda: bool(terminated))
+    except KeyboardInterrupt:
+        if proc.poll() is None:  # a SIGINT to the launcher alone too; from a terminal torchrun has it already, and
+            proc.send_signal(signal.SIGINT)  # one still pending is not delivered twice
+        try:
+            proc.wait(timeout=GRACE_SECONDS)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return 128 + signal.SIGTERM if terminated else exit_status(returncode)
+
+
+def _wait_for(proc: subprocess.Popen, stopping: Callable[[], bool]) -> int:
+    """proc's return code, waited for in short steps; once `stopping()` turns true, for GRACE_SECONDS at most,
+    then proc is killed."""
     import time
 
-    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
-    received: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:
-        if not received:  # once: a second signal during the grace period does not cut the ranks' cleanup short
-            received.append(signum)
-            _signal_group(proc, signum)
-
-    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
-    previous = {sig: signal.signal(sig, stop) for sig in handled}
-    try:
-        deadline = None
-        while True:
-            try:
-                returncode = proc.wait(timeout=0.2)  # short waits: the handler runs between them
-                break
-            except subprocess.TimeoutExpired:
-                if received and deadline is None:
-                    deadline = time.monotonic() + GRACE_SECONDS
-                if deadline is not None and time.monotonic() > deadline:
-                    _signal_group(proc, signal.SIGKILL)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received and received[0] == signal.SIGINT:
-        raise KeyboardInterrupt
-    return 128 + received[0] if received else exit_status(returncode)
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    """Send `signum` to the process group torchrun leads (torchrun and its ranks); nothing if it has ended."""
-    try:
-        os.killpg(proc.pid, signum)
-    except ProcessLookupError:
-        pass
+    deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if stopping() and deadline is None:
+                deadline = time.monotonic() + GRACE_SECONDS
+            if deadline is not None and time.monotonic() > deadline:
+                proc.send_signal(signal.SIGKILL)
 
 
 def run_torchrun(module: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> int:
