@@ -80,18 +80,39 @@ def host_work(rows: int) -> Iterator[None]:
     rows by tens of columns), too small to gain from a team of threads, and on a busy machine each op of a team
     waits for a thread that has no core: at 1,000 x 1,000 x 20 beside two busy processes fit + predict took
     4.25 s with the default threads and 3.57 s with this (benchmarks/host_threads.py)."""
-    from threadpoolctl import threadpool_limits
-
     if getattr(_state, "host_all", False) or rows > HOST_WORK_ROWS:
         yield
         return
-    before = torch.get_num_threads()
+    before = torch.get_num_threads()  # torch's count is this thread's own
     torch.set_num_threads(1)
+    _one_blas_thread(True)
     try:
-        with threadpool_limits(limits=1, user_api="blas"):
-            yield
+        yield
     finally:
+        _one_blas_thread(False)
         torch.set_num_threads(before)
+
+
+_blas = {"users": 0, "limits": None}
+_blas_lock = threading.Lock()
+
+
+def _one_blas_thread(enter: bool) -> None:
+    """BLAS at one thread while any thread is inside host_work: its thread count is the process's, so the first to
+    enter sets it and the last to leave restores it (a limit per block, restored on its exit, would leave the
+    count at 1 for good when two threads' blocks overlap)."""
+    from threadpoolctl import threadpool_limits
+
+    with _blas_lock:
+        if enter:
+            if _blas["users"] == 0:
+                _blas["limits"] = threadpool_limits(limits=1, user_api="blas")
+            _blas["users"] += 1
+        else:
+            _blas["users"] -= 1
+            if _blas["users"] == 0:
+                _blas["limits"].restore_original_limits()
+                _blas["limits"] = None
 
 
 @contextlib.contextmanager

@@ -158,6 +158,32 @@ def test_host_work_runs_on_one_thread_and_restores_the_counts_even_on_an_error()
         torch.set_num_threads(original)
 
 
+def test_overlapping_host_work_in_two_threads_restores_the_blas_threads():
+    """Found by a review: each block restored the BLAS count it saw on entry, a process-wide count, so two
+    threads' overlapping blocks left it at 1 for good."""
+    before = _blas_threads()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with host_work(10):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with host_work(10):
+            b_in.set()
+            a_out.wait(5)
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert _blas_threads() == before
+
+
 @pytest.mark.parametrize("Estimator", [TabFMClassifier, TabFMRegressor])
 def test_the_estimators_cpu_work_between_forwards_runs_on_one_thread(Estimator, monkeypatch):
     """The local contexts' k-means and searches and the linear models are small ops that a team of threads only
@@ -217,3 +243,4 @@ def test_busy_processes_spin_for_the_block_and_stop_after_it_even_on_an_error():
             raise RuntimeError("inside")
     assert not any(p.is_alive() for p in started)
     assert {p.pid for p in multiprocessing.active_children()} <= before
+
