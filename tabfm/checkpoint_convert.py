@@ -11,7 +11,6 @@ before any tensor is read.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dic
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.checkpoint_run import LATEST
 from tabfm.model import ModelConfig, TabFM, build_model
-from tabfm.out_paths import CHECKPOINTS, file_in_the_way
+from tabfm.out_paths import CHECKPOINTS, file_in_the_way, private_name
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import shard_tensor
 from tabfm.parallel_model import ParallelOptions, parallelize_model
@@ -70,7 +69,7 @@ def merge(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     metadata = {"format": MERGED_FORMAT, "model_config": json.dumps(manifest["model_config"]),
                 "step": str(manifest["step"]), "source": str(ckpt_dir)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _private_name(out, "tmp")  # never a file of the user's, such as OUT.tmp
+    tmp = private_name(out, "tmp")  # never a file of the user's, such as OUT.tmp
     try:
         save_tensors(full, tmp, metadata)
         tmp.replace(out)
@@ -78,11 +77,6 @@ def merge(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
         tmp.unlink(missing_ok=True)
     return out
 
-
-def _private_name(path: Path, kind: str) -> Path:
-    """A name beside `path` that no file of the user's has (hidden, with a random part): where a merge or reshard
-    writes before the rename into place, and where an output it replaces waits until then."""
-    return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
 
 
 def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -102,7 +96,7 @@ def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwri
     if problems:
         raise ValueError(f"cannot reshard {ckpt_dir} to {d0}x{d1}: " + "; ".join(problems[:6]))
     full = gather_full(ckpt_dir, manifest)
-    tmp = _private_name(out_dir, "tmp")  # never a folder of the user's (or the source), such as OUT.tmp
+    tmp = private_name(out_dir, "tmp")  # never a folder of the user's (or the source), such as OUT.tmp
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
@@ -116,7 +110,7 @@ def reshard(ckpt_dir: str | Path, d0: int, d1: int, out_dir: str | Path, overwri
         layout = f"{manifest['layout']['d0']}x{manifest['layout']['d1']}"
         new = {**manifest, "layout": {"d0": d0, "d1": d1, "dp": 1}, "files": files,
                "rng": {"torch": f"dropped when resharding from {layout}"}}
-        finish_folder(tmp, out_dir, new, aside=_private_name(out_dir, "old"))
+        finish_folder(tmp, out_dir, new, aside=private_name(out_dir, "old"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -4,6 +4,7 @@ these without importing torch, and every command says the same thing about the s
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
@@ -32,3 +33,10 @@ def check_png(path: str | Path, flag: str) -> Path:
     if blocker is not None:
         raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder")
     return p
+
+
+def private_name(path: Path, kind: str) -> Path:
+    """A name beside `path` that no file of the user's has (hidden, with a random part): where a command writes
+    before renaming into place, or puts an output it replaces until then."""
+    return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
+

@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -34,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tabfm.out_paths import private_name
 
 FORMAT_VERSION = 3
 """2: contexts per member may be local (context_members_, local_); version 1 files are refused.
@@ -269,7 +270,7 @@ def save_estimator(est: Any, path: str | Path) -> None:
     meta["arrays"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                              "sha256": _digest(t)} for name, t in encoder.arrays.items()}
     text = json.dumps(meta, indent=1, allow_nan=False)
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp = private_name(path, "tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()  # beside the destination (one file system), with the user's usual permissions

@@ -32,15 +32,20 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def sequential_tables() -> Iterator[None]:
-    """Within the block (this thread), table slices run one after another with torch's intra-op threads, as
-    before table threads existed: the benchmark's reference and the tests' comparison."""
-    before = getattr(_state, "off", False)
-    _state.off = True
+def _thread_flag(name: str) -> Iterator[None]:
+    """The flag `name` of this thread set within the block, and back to what it was after."""
+    before = getattr(_state, name, False)
+    setattr(_state, name, True)
     try:
         yield
     finally:
-        _state.off = before
+        setattr(_state, name, before)
+
+
+def sequential_tables() -> contextlib.AbstractContextManager:
+    """Within the block (this thread), table slices run one after another with torch's intra-op threads, as
+    before table threads existed: the benchmark's reference and the tests' comparison."""
+    return _thread_flag("off")
 
 
 def table_workers(device: torch.device | str, sharded: bool = False) -> int:
@@ -115,14 +120,8 @@ def _one_blas_thread(enter: bool) -> None:
                 _blas["limits"] = None
 
 
-@contextlib.contextmanager
-def host_work_on_all_threads() -> Iterator[None]:
+def host_work_on_all_threads() -> contextlib.AbstractContextManager:
     """Within the block (this thread), host_work leaves the thread counts as they are, as before it existed: the
     benchmark's reference (benchmarks/host_threads.py)."""
-    before = getattr(_state, "host_all", False)
-    _state.host_all = True
-    try:
-        yield
-    finally:
-        _state.host_all = before
+    return _thread_flag("host_all")
 
