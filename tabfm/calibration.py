@@ -140,3 +140,31 @@ def best_blend(ensemble: np.ndarray, linears: np.ndarray, weights: np.ndarray) -
     losses = blend_losses(ensemble, linears, weights)
     i, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
     return int(i), float(TEMPERATURES[t]), float(weights[w])
+
+
+TREE_WEIGHTS = np.linspace(0.0, 0.9, 10)
+"""The trees' weights tried at calibration (tabfm.tree_base): below 1, so the pretrained model always counts."""
+
+
+def best_tree_weight(ours: np.ndarray, trees: np.ndarray, target: np.ndarray) -> float:
+    """The regressor's weight v in TREE_WEIGHTS of the smallest mean squared error of (1 - v) x ours + v x trees
+    against the target (each [h], the held rows' normalised targets); ties go to the lowest weight."""
+    errors = [np.mean(((1 - v) * ours + v * trees - target) ** 2) for v in TREE_WEIGHTS]
+    return float(TREE_WEIGHTS[int(np.argmin(errors))])
+
+
+def best_tree_blend(ensemble: np.ndarray, linears: np.ndarray, weights: np.ndarray,
+                    tree: np.ndarray) -> tuple[int, float, float, float]:
+    """(linear model, temperature, linear weight, tree weight) of the smallest mean log-loss of the held rows under
+    (1 - v) x ((1 - w) x the model's + w x a linear model's) + v x the trees' probabilities, v in TREE_WEIGHTS;
+    ensemble and linears as in blend_losses, tree [h] the trees' probabilities of the rows' true classes. Ties go
+    to the lowest tree weight, then as best_blend's."""
+    best = None
+    for v in TREE_WEIGHTS:
+        mixed_model = (1 - v) * ensemble + v * tree[None, :]
+        losses = blend_losses(mixed_model, (1 - v) * linears + v * tree[None, :], weights)
+        loss = float(losses.min())
+        if best is None or loss < best[0] - 1e-12:
+            i, t, w = np.unravel_index(int(np.argmin(losses)), losses.shape)
+            best = loss, int(i), float(TEMPERATURES[t]), float(weights[w]), float(v)
+    return best[1:]

@@ -32,6 +32,7 @@ from tabfm.model import TabFM
 from tabfm.preprocess import Cells
 from tabfm.raw_columns import check_table_shape
 from tabfm.table_threads import host_work
+from tabfm.tree_base import fit_trees
 from tabfm.validation import check_class_labels
 
 
@@ -109,6 +110,14 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         same held-out rows (w = 0 where it does not help them), as are whether the logistic regression sees the
         numeric columns as they are, Yeo-Johnson transformed or with hinge columns, and its L2 penalty (C 0.1, 1
         or 10). The model alone draws linear boundaries over many columns poorly (tabfm.linear_base).
+    tree_blend : bool, default=True
+        With calibrate, also weigh in gradient-boosted trees (scikit-learn's HistGradientBoostingClassifier,
+        tabfm.tree_base): the probabilities become (1 - v) x the blend above + v x the trees', v in 0..0.9 chosen
+        jointly with the temperature and w on the same held-out rows, the trees fitted on the other train rows
+        (v = 0 where they do not help them), then on every train row. Trees keep gaining from rows and sharp
+        interactions where the model does not: on the 42 classification tables (5 folds) ROC-AUC 0.8887 ->
+        0.8909 and log-loss 0.3902 -> 0.3801 (each better on 23 tables, worse on 14 and 15), for two tree fits
+        at fit (about 20% more fit + predict time at 1,000 x 1,000 x 20).
     mix_contexts : bool, default=True
         With local contexts, predict a test row near the edge of a member's context from that member's second
         context too (the one home to the next most of its 16 nearest train rows) and mix the two's class
@@ -121,7 +130,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     _parameter_constraints: dict = {**_BASE_CONSTRAINTS, "average": [StrOptions({"probability", "logit"})],
                                     "softmax_temperature": [Interval(numbers.Real, 0, None, closed="neither")],
                                     "calibrate": ["boolean"], "linear_blend": ["boolean"],
-                                    "mix_contexts": ["boolean"]}
+                                    "mix_contexts": ["boolean"], "tree_blend": ["boolean"]}
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
@@ -132,7 +141,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                  random_state: int | np.random.RandomState | np.random.Generator | None = 0, verbose: bool = False,
                  n_jobs: int | None = None, local_context_rows: int | None = 256, average: str = "probability",
                  softmax_temperature: float = 1.0, calibrate: bool = True, linear_blend: bool = True,
-                 mix_contexts: bool = True):
+                 mix_contexts: bool = True, tree_blend: bool = True):
         super().__init__(n_estimators, numeric_transforms=numeric_transforms, categorical_views=categorical_views,
                          max_features=max_features, checkpoint=checkpoint,
                          categorical_features=categorical_features, max_context_rows=max_context_rows,
@@ -145,6 +154,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.calibrate = calibrate
         self.linear_blend = linear_blend
         self.mix_contexts = mix_contexts
+        self.tree_blend = tree_blend
 
     @_fit_or_keep
     @_threaded
@@ -164,22 +174,30 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.n_groups_ = min(K, max_classes)
         y_ids = y_ids.astype(np.int64)
         rng = self._calibration_rng()
+        self.tree_seed_ = self._draw_tree_seed()
         held = self._calibration_rows(y_ids, rng) if self.calibrate else np.empty(0, np.int64)
         held_members = self._held_members(n_members, len(y_ids) - len(held))
         if len(held) and held_members:
             self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
             logp = self._cell_outputs(self.train_cells_.take(held), members=held_members)
             with host_work(len(y_ids)):  # the logistic regressions and the blend's search, between forwards
-                self.temperature_, self.blend_weight_, linear = self._fit_temperature(logp, held)
+                self.temperature_, self.blend_weight_, self.tree_weight_, linear = self._fit_temperature(logp, held)
         else:
             self._fit_common(X, y_ids, n_members, model, encode=False)
-            self.temperature_, self.blend_weight_, linear = (
-                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, None))
+            self.temperature_, self.blend_weight_, self.tree_weight_, linear = (
+                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, 0.0, None))
             self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
         with host_work(len(self.y_train_)):
             self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
                                                     start=linear.kept) if self.blend_weight_ > 0 else None)
+        self._fit_tree_model()
         return self
+
+    def _fit_tree_model(self) -> None:
+        """tree_model_: the trees on every train row where they have a weight, else None (also at load: save
+        keeps what they are fitted on, not the trees)."""
+        self.tree_model_ = (fit_trees(self.train_cells_, self.y_train_, len(self.classes_), self.tree_seed_)
+                            if self.tree_weight_ > 0 else None)
 
     def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The train rows (class ids y) calibration predicts (tabfm.calibration.held_out_rows); none where fewer
@@ -192,10 +210,11 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, LinearChoice]:
-        """(softmax temperature, blend weight, the logistic regression's LinearChoice) that minimise the log-loss
-        of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts without
-        them, and with linear_blend a logistic regression's fitted on the other train rows. Its view of the
+    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, float, LinearChoice]:
+        """(softmax temperature, blend weight, trees' weight, the logistic regression's LinearChoice) that minimise
+        the log-loss of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts
+        without them, and with linear_blend (tree_blend) a logistic regression's (trees') fitted on the other
+        train rows. The logistic regression's view of the
         numeric columns (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS,
         then its penalty among them in that view, each fit starting from that view's first (two stages: a fit
         per view and per other penalty, not per pair). Ties go to the first view and penalty, then the lowest
@@ -218,11 +237,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                                                                 start=firsts[best]) for C in LOGISTIC_CS[1:]]
             linears = [linears[best]] + [model.predict_proba(held_cells)[truth] for model in models[1:]]
             choices = [LinearChoice(views[best], C, model) for C, model in zip(LOGISTIC_CS, models, strict=True)]
+        if self.tree_blend and len(np.unique(y[keep])) > 1:
+            trees = fit_trees(keep_cells, y[keep], K, self.tree_seed_).predict_proba(held_cells)[truth]
+            choice, temperature, weight, tree_weight = calibration.best_tree_blend(ensemble, np.stack(linears),
+                                                                                   weights, trees)
+            return temperature, weight, tree_weight, choices[choice]
         choice, temperature, weight = calibration.best_blend(ensemble, np.stack(linears), weights)
-        return temperature, weight, choices[choice]
+        return temperature, weight, 0.0, choices[choice]
 
-    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, LinearChoice]:
-        """(softmax temperature, blend weight, LinearChoice) from the calibration rows `held`
+    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float, LinearChoice]:
+        """(softmax temperature, blend weight, trees' weight, LinearChoice) from the calibration rows `held`
         predicted by a probe: the same ensemble fitted on the other train rows. Where the first members' local
         contexts cannot leave the rows out (no local contexts, too few rows left, fewer than 4 members, or too
         many classes), an honest held-out prediction needs a second encoding: nothing of the full contexts
@@ -249,12 +273,15 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             return self._fit_temperature(logp, held)
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
-        """The ensemble's class probabilities of the rows of `cells` with the logistic regression weighed in."""
-        if getattr(self, "linear_model_", None) is None:  # also an estimator saved before the blend existed
-            return proba
-        with host_work(len(self.y_train_)):
-            linear = self.linear_model_.predict_proba(cells)
-        return (1 - self.blend_weight_) * proba + self.blend_weight_ * linear
+        """The ensemble's class probabilities of the rows of `cells` with the logistic regression and the trees
+        weighed in: (1 - v) x ((1 - w) x the ensemble's + w x the logistic regression's) + v x the trees'."""
+        if getattr(self, "linear_model_", None) is not None:  # None also for one saved before the blend existed
+            with host_work(len(self.y_train_)):
+                linear = self.linear_model_.predict_proba(cells)
+            proba = (1 - self.blend_weight_) * proba + self.blend_weight_ * linear
+        if getattr(self, "tree_model_", None) is not None:  # None also for one saved before the trees existed
+            proba = (1 - self.tree_weight_) * proba + self.tree_weight_ * self.tree_model_.predict_proba(cells)
+        return proba
 
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:
         """The first M members' group log-probabilities [M, n, G] -> class probabilities [n, K] at a softmax

@@ -460,6 +460,19 @@ class _TabFMBase(BaseEstimator):
     """Fitted attributes that pickling and `save` leave out: the model (and its mesh) is rebuilt from the
     checkpoint on first use, as scikit-learn and TabICL do."""
 
+    _REFITTED_AT_LOAD = ("tree_model_",)
+    """Fitted attributes that `save` leaves out and `load` fits again from what it keeps (the trees: scikit-learn's
+    models have no format but pickle); pickling keeps them."""
+
+    def _draw_tree_seed(self) -> int:
+        """The trees' random_state (tabfm.tree_base): the fit's seed folded into 32 bits, or one drawn where the fit
+        has none (random_state=None), kept so that `load` fits the same trees again."""
+        return int(np.random.default_rng(self.seed_).integers(2**31)) if self.seed_ is None else self.seed_ % 2**32
+
+    def _fit_tree_model(self) -> None:
+        """tree_model_ from the fitted attributes (the estimators': at fit and at load)."""
+        raise NotImplementedError
+
     def __getstate__(self) -> dict:
         state = {k: v for k, v in self.__dict__.items() if k not in self._UNSTORED}
         if "contexts_" in state:

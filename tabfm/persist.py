@@ -263,7 +263,8 @@ def save_estimator(est: Any, path: str | Path) -> None:
         est._encode_contexts()
     params = _plain_params(est)
     encoder = _Encoder()
-    attributes = {k: v for k, v in vars(est).items() if k not in params and k not in est._UNSTORED}  # no model
+    left_out = (*est._UNSTORED, *est._REFITTED_AT_LOAD)  # no model; no trees (fitted again at load)
+    attributes = {k: v for k, v in vars(est).items() if k not in params and k not in left_out}
     meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
             "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
             "attributes": encoder.encode(attributes, "")}
@@ -447,6 +448,8 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
     est.device_ = target
+    if getattr(est, "tree_weight_", 0.0) > 0:
+        est._fit_tree_model()
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     except ValueError as e:  # the weights at its checkpoint are not those it was fitted with

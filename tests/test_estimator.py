@@ -315,8 +315,8 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     held_cells = clf.train_cells_.take(held)
     logp = clf._cell_outputs(held_cells, members=2)
     np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
-    temperature, weight, linear = clf._fit_temperature(logp, held)
-    assert (clf.temperature_, clf.blend_weight_) == (temperature, weight)
+    temperature, weight, tree_weight, linear = clf._fit_temperature(logp, held)
+    assert (clf.temperature_, clf.blend_weight_, clf.tree_weight_) == (temperature, weight, tree_weight)
     assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
     if clf.linear_model_ is not None:  # the view and penalty chosen, refitted on every train row
         design = clf.linear_model_.design

@@ -357,9 +357,9 @@ def test_held_rows_choose_the_weakest_penalty_for_a_boundary_without_noise(seed)
     from tabfm import calibration
 
     X, y = _wide_linear_classes(600, seed=seed)
-    clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1).fit(X, y)
+    clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1, tree_blend=False).fit(X, y)
     held = calibration.held_out_rows(y, 2, np.random.default_rng(seed))
-    _, weight, choice = clf._fit_temperature(np.zeros((1, len(held), 2)), held)
+    _, weight, _, choice = clf._fit_temperature(np.zeros((1, len(held), 2)), held)
     assert weight > 0 and (choice.view, choice.C) == ("plain", max(LOGISTIC_CS))
 
 

@@ -1,0 +1,65 @@
+"""Gradient-boosted trees beside the pretrained model, weighed into the estimators' predictions where held-out
+train rows prefer them (TabFMClassifier and TabFMRegressor, tree_blend).
+
+Why: the pretrained model reads a table as neighbourhoods of rows, and trees keep gaining from rows and from
+sharp interactions where it does not: on the 56 tables a tree ensemble beat its ROC-AUC on 20 of the 42
+classification tables and its R^2 on 3 of the 14 regression tables (islp_bikeshare 0.79 against 0.93). The
+model and the trees err differently, so a blend beats either alone on most tables where both are good; where the
+held rows prefer the model alone the trees' weight is 0 and the predictions are the model's. scikit-learn's
+HistGradientBoosting is the partner (not a hand-written one): native missing values and categories, well kept,
+deterministic for a seed, and fast enough to fit twice (on the rows the calibration keeps, to score the held
+rows; then on every train row) beside a CPU fit of the model.
+
+The trees read the preprocessed cells (tabfm.preprocess.Cells): numeric values as they are (NaN where missing),
+category codes as categories (missing and unseen codes as NaN), or as ordered numbers in a column of more
+categories than the trees bin natively. The fitted trees are not written by `save` (scikit-learn's models have
+no format but pickle): the train cells and targets they read are, and `load` fits the same trees again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
+from tabfm.preprocess import Cells
+
+MAX_TREE_CATEGORIES = 255
+"""Categorical columns of more categories than this go to the trees as ordered codes (HistGradientBoosting bins a
+native categorical column into at most 255 categories)."""
+
+def tree_design(cells: Cells) -> tuple[np.ndarray, np.ndarray]:
+    """(X [n, C] float64, categorical mask [C]) of the cells as the trees read them."""
+    codes = cells.codes.astype(np.float64)
+    codes[cells.codes < 0] = np.nan
+    X = np.where(cells.is_cat[None, :], codes, cells.values)
+    return X, cells.is_cat & (cells.n_cats <= MAX_TREE_CATEGORIES)
+
+
+def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> TreeModel:
+    """Trees fitted on the cells' rows: class ids y 0..n_classes-1, or real targets y with n_classes None."""
+    X, categorical = tree_design(cells)
+    if n_classes is None:
+        model = HistGradientBoostingRegressor(categorical_features=categorical, random_state=seed)
+    else:
+        model = HistGradientBoostingClassifier(categorical_features=categorical, random_state=seed)
+    return TreeModel(model.fit(X, y), n_classes)
+
+
+class TreeModel:
+    """Fitted trees: class probabilities over every class id 0..n_classes-1 (a class absent from the trees' rows
+    gets 0, so the columns line up with the ensemble's), or predicted targets."""
+
+    def __init__(self, model: HistGradientBoostingClassifier | HistGradientBoostingRegressor,
+                 n_classes: int | None):
+        self.model, self.n_classes = model, n_classes
+
+    def predict_proba(self, cells: Cells) -> np.ndarray:
+        """[n, n_classes]."""
+        proba = np.zeros((len(cells.values), self.n_classes))
+        proba[:, self.model.classes_] = self.model.predict_proba(tree_design(cells)[0])
+        return proba
+
+    def predict(self, cells: Cells) -> np.ndarray:
+        """[n] predicted targets."""
+        return self.model.predict(tree_design(cells)[0])
+

@@ -1,0 +1,147 @@
+"""tabfm.tree_base and the estimators' tree blend: gradient-boosted trees weighed into the predictions where the
+held-out train rows prefer them, fitted again at load."""
+
+import pickle
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.metrics import log_loss, r2_score
+
+from tabfm import TabFMClassifier, TabFMRegressor, calibration
+from tabfm.preprocess import TablePreprocessor
+from tabfm.tree_base import MAX_TREE_CATEGORIES, fit_trees, tree_design
+
+FAST = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
+
+
+def _steps(n: int, seed: int = 0):
+    """Classes split by thresholds on two columns (an axis-aligned interaction, no noise) beside two noise
+    columns: trees draw it exactly, the pretrained model only near its neighbours."""
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(-1, 1, size=(n, 4))
+    y = ((X[:, 0] > 0.3) ^ (X[:, 1] > -0.2)).astype(int)
+    return X, y
+
+
+def _step_target(n: int, seed: int = 0):
+    """A real target that jumps at thresholds of two columns, with a little noise."""
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(-1, 1, size=(n, 4))
+    y = 3.0 * (X[:, 0] > 0.3) - 2.0 * (X[:, 1] > -0.2) * (X[:, 2] > 0) + 0.05 * rng.normal(size=n)
+    return X, y
+
+
+def test_tree_design_reads_categories_as_categories_and_missing_cells_as_nan():
+    rng = np.random.default_rng(0)
+    n = 600
+    X = pd.DataFrame({"num": np.where(rng.random(n) < 0.2, np.nan, rng.normal(size=n)),
+                      "colour": rng.choice(["red", "green", None], n),
+                      "many": [f"id{i}" for i in rng.integers(0, 400, n)]})
+    pre = TablePreprocessor(categorical_features=["colour", "many"]).fit(X)
+    cells = pre.transform(X)
+    design, categorical = tree_design(cells)
+    num, colour, many = ([c.name for c in pre.columns_].index(name) for name in ("num", "colour", "many"))
+    np.testing.assert_array_equal(np.isnan(design[:, num]), X["num"].isna().to_numpy())
+    np.testing.assert_array_equal(np.isnan(design[:, colour]), X["colour"].isna().to_numpy())
+    present = cells.codes[:, colour] >= 0
+    np.testing.assert_array_equal(design[present, colour], cells.codes[present, colour])
+    assert cells.n_cats[many] > MAX_TREE_CATEGORIES
+    assert categorical[colour] and not categorical[num] and not categorical[many]  # too many: ordered codes
+
+
+def test_trees_give_every_class_a_column_in_class_id_order():
+    X, y = _steps(200)
+    y = np.where(y == 1, 2, 0)  # class 1 of 3 is absent from the trees' rows
+    cells = TablePreprocessor().fit(pd.DataFrame(X)).transform(pd.DataFrame(X))
+    proba = fit_trees(cells, y, 3, seed=0).predict_proba(cells)
+    assert proba.shape == (200, 3) and (proba[:, 1] == 0).all()
+    np.testing.assert_allclose(proba.sum(1), 1)
+    assert (proba.argmax(1) == y).mean() > 0.95
+
+
+def test_the_joint_blend_is_the_brute_force_minimum():
+    rng = np.random.default_rng(1)
+    h = 50
+    ensemble = rng.uniform(0.05, 1, size=(len(calibration.TEMPERATURES), h))
+    linears = rng.uniform(0.05, 1, size=(2, h))
+    trees = rng.uniform(0.05, 1, size=h)
+    weights = calibration.BLEND_WEIGHTS
+    i, t, w, v = calibration.best_tree_blend(ensemble, linears, weights, trees)
+    best = min((-np.log((1 - v_) * ((1 - w_) * ensemble[t_] + w_ * linears[i_]) + v_ * trees).mean(), i_, t_, w_, v_)
+               for v_ in calibration.TREE_WEIGHTS for i_ in range(2) for t_ in range(len(calibration.TEMPERATURES))
+               for w_ in weights)
+    assert (i, t, w, v) == (best[1], float(calibration.TEMPERATURES[best[2]]), float(best[3]), float(best[4]))
+
+
+def test_trees_that_know_nothing_get_no_weight_and_perfect_ones_the_most():
+    h = 40
+    ensemble = np.full((len(calibration.TEMPERATURES), h), 0.7)
+    linears = np.full((1, h), 0.6)
+    assert calibration.best_tree_blend(ensemble, linears, calibration.BLEND_WEIGHTS, np.full(h, 0.3))[3] == 0.0
+    assert calibration.best_tree_blend(ensemble, linears, calibration.BLEND_WEIGHTS, np.ones(h))[3] == 0.9
+    target = np.linspace(-1, 1, h)
+    assert calibration.best_tree_weight(target, np.zeros(h), target) == 0.0
+    assert calibration.best_tree_weight(np.zeros(h), target, target) == 0.9
+    assert calibration.best_tree_weight(np.zeros(h), 2 * target, target) == 0.5  # least squares: v = 1/2
+
+
+def test_classifier_weighs_in_the_trees_where_the_held_rows_prefer_them():
+    X, y = _steps(500)
+    clf = TabFMClassifier(**FAST).fit(X[:400], y[:400])
+    alone = TabFMClassifier(**FAST, tree_blend=False).fit(X[:400], y[:400])
+    assert clf.tree_weight_ > 0 and clf.tree_model_ is not None
+    assert alone.tree_weight_ == 0 and alone.tree_model_ is None
+    proba = clf.predict_proba(X[400:])
+    np.testing.assert_allclose(proba.sum(1), 1)
+    trees = fit_trees(clf.train_cells_, clf.y_train_, 2, clf.tree_seed_).predict_proba(clf._cells_of(X[400:]))
+    model = clf.tree_model_
+    clf.tree_model_ = None  # the blend without the trees: the model and the logistic regression
+    without = clf.predict_proba(X[400:])
+    clf.tree_model_ = model
+    np.testing.assert_allclose(proba, (1 - clf.tree_weight_) * without + clf.tree_weight_ * trees, rtol=1e-12)
+    assert log_loss(y[400:], proba) < log_loss(y[400:], alone.predict_proba(X[400:]))
+    raw = TabFMClassifier(**FAST, calibrate=False).fit(X[:400], y[:400])
+    assert raw.tree_weight_ == 0 and raw.tree_model_ is None  # the weight is fitted on the held rows
+
+
+def test_classifier_calibrated_through_a_probe_weighs_the_trees_too():
+    X, y = _steps(300, seed=2)
+    clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X[:250], y[:250])  # 2 members: the probe
+    assert clf.tree_weight_ > 0 and clf.tree_model_ is not None
+
+
+def test_regressor_weighs_in_the_trees_and_moves_its_quantiles_with_its_mean():
+    X, y = _step_target(500)
+    reg = TabFMRegressor(**FAST).fit(X[:400], y[:400])
+    alone = TabFMRegressor(**FAST, tree_blend=False).fit(X[:400], y[:400])
+    assert reg.tree_weight_ > 0 and reg.tree_model_ is not None
+    assert alone.tree_weight_ == 0 and alone.tree_model_ is None
+    mean, quantiles = reg.predict(X[400:]), reg.predict_quantiles(X[400:], [0.1, 0.5, 0.9])
+    model = reg.tree_model_
+    reg.tree_model_ = None
+    without, without_q = reg.predict(X[400:]), reg.predict_quantiles(X[400:], [0.1, 0.5, 0.9])
+    reg.tree_model_ = model
+    trees = reg.target_scale_.inverse(model.predict(reg._cells_of(X[400:])))
+    np.testing.assert_allclose(mean, (1 - reg.tree_weight_) * without + reg.tree_weight_ * trees, rtol=1e-12)
+    np.testing.assert_allclose(quantiles - mean[:, None], without_q - without[:, None], rtol=1e-9, atol=1e-9)
+    assert r2_score(y[400:], mean) > r2_score(y[400:], alone.predict(X[400:]))
+
+
+@pytest.mark.parametrize("random_state", [0, None])
+def test_save_leaves_the_trees_out_and_load_fits_the_same_ones(tmp_path, random_state):
+    X, y = _steps(300, seed=3)
+    clf = TabFMClassifier(**FAST, random_state=random_state).fit(X[:250], y[:250])
+    assert clf.tree_weight_ > 0
+    clf.save(tmp_path / "clf")
+    assert "tree_model" not in (tmp_path / "clf" / "estimator.json").read_text()
+    back = TabFMClassifier.load(tmp_path / "clf")
+    assert back.tree_model_ is not None and back.tree_model_ is not clf.tree_model_
+    np.testing.assert_array_equal(back.predict_proba(X[250:]), clf.predict_proba(X[250:]))
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(clf)).predict_proba(X[250:]), clf.predict_proba(X[250:]))
+    Xr, yr = _step_target(300, seed=3)
+    reg = TabFMRegressor(**FAST, random_state=random_state).fit(Xr[:250], yr[:250])
+    assert reg.tree_weight_ > 0
+    reg.save(tmp_path / "reg")
+    back = TabFMRegressor.load(tmp_path / "reg")
+    np.testing.assert_array_equal(back.predict_quantiles(Xr[250:]), reg.predict_quantiles(Xr[250:]))
