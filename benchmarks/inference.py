@@ -10,7 +10,8 @@ precision: fp32 against bf16 autocast, on CPU and on a GPU.
 
 Speed: fit + predict_proba of 1,000 train x 1,000 test rows x 20 numeric features (make_classification,
 seed 0), best of --repeats after one warm-up per setting, for each n_estimators of --estimators and the
-default, the default without the classifier's second-context mixture (mix_contexts=False), and the default with
+default, the default without the classifier's second-context mixture (mix_contexts=False) and without its trees
+(tree_blend=False), and the default with
 one global context per member (local_context_rows=None, the default before local contexts) as the reference, with
 the ratios. Target: the default estimator's fit + predict under 1 s. Reference
 ("no cache"): per context, its train rows followed by the test rows it predicts (first or, mixed, second) as one
@@ -115,9 +116,11 @@ class Speed:
         return self.fit_s + self.predict_s
 
 
-CONTEXTS = {"local": {}, "unmixed": {"mix_contexts": False}, "global": {"local_context_rows": None}}
-"""The speed table's context settings: local contexts (the default: a row near an edge mixed from two), local with
-one context per row (mix_contexts=False), one context of all train rows per member (the reference)."""
+CONTEXTS = {"local": {}, "unmixed": {"mix_contexts": False}, "notrees": {"tree_blend": False},
+            "global": {"local_context_rows": None}}
+"""The speed table's settings: local contexts (the default: a row near an edge mixed from two), local with
+one context per row (mix_contexts=False), the default without the trees (tree_blend=False), one context of all
+train rows per member (the reference)."""
 
 
 def time_estimator(n_estimators: int, data: tuple, repeats: int, calibrate: bool,
@@ -192,7 +195,7 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
         f"{'no-cache fwd s':>14} {'/predict':>8} {'/total':>7} {'max|dp|':>8}")
     totals: dict[tuple[int, bool, str], float] = {}
     settings = [(n, c, "local") for n in sorted(set(estimators) | {default}) for c in (True, False)]
-    settings += [(default, True, "unmixed")]
+    settings += [(default, True, "unmixed"), (default, True, "notrees")]
     settings += [(default, c, "global") for c in (True, False)]  # the reference: one global context per member
     for n, calibrate, context in settings:
         speed, est = time_estimator(n, data, repeats, calibrate, context)
@@ -208,9 +211,11 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
     log("max|dp| = largest difference between its probabilities and predict_proba's; cal = calibrate (the")
     log("classifier's temperature fitted on held-out train rows at fit: about half of one more context encoding);")
     log("unmixed = local contexts with mix_contexts=False (each row predicted from one context per member, not a")
-    log("row near an edge from two).")
+    log("row near an edge from two); notrees = tree_blend=False (no gradient-boosted trees fitted and weighed in).")
     ratio = totals[default, True, "local"] / totals[default, True, "unmixed"]
     log(f"default n_estimators, calibrate=True: the default / mix_contexts=False = {ratio:.2f}x the time")
+    ratio = totals[default, True, "local"] / totals[default, True, "notrees"]
+    log(f"default n_estimators, calibrate=True: the default / tree_blend=False = {ratio:.2f}x the time")
     for calibrate in (True, False):
         ratio = totals[default, calibrate, "global"] / totals[default, calibrate, "local"]
         log(f"default n_estimators, calibrate={calibrate}: global contexts / local contexts = {ratio:.2f}x the time")

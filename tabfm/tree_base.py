@@ -18,7 +18,11 @@ no format but pickle): the train cells and targets they read are, and `load` fit
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
+import torch
 from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
 
 from tabfm.preprocess import Cells
@@ -35,6 +39,17 @@ def tree_design(cells: Cells) -> tuple[np.ndarray, np.ndarray]:
     return X, cells.is_cat & (cells.n_cats <= MAX_TREE_CATEGORIES)
 
 
+@contextlib.contextmanager
+def _tree_threads() -> Iterator[None]:
+    """HistGradientBoosting's OpenMP threads at torch's count within the block: the estimator's n_jobs
+    (tabfm.validation.torch_threads), which OpenMP would otherwise ignore and take every core. The trees' outputs
+    do not depend on it."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=torch.get_num_threads(), user_api="openmp"):
+        yield
+
+
 def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> TreeModel:
     """Trees fitted on the cells' rows: class ids y 0..n_classes-1, or real targets y with n_classes None."""
     X, categorical = tree_design(cells)
@@ -42,7 +57,8 @@ def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> 
         model = HistGradientBoostingRegressor(categorical_features=categorical, random_state=seed)
     else:
         model = HistGradientBoostingClassifier(categorical_features=categorical, random_state=seed)
-    return TreeModel(model.fit(X, y), n_classes)
+    with _tree_threads():
+        return TreeModel(model.fit(X, y), n_classes)
 
 
 class TreeModel:
@@ -56,10 +72,12 @@ class TreeModel:
     def predict_proba(self, cells: Cells) -> np.ndarray:
         """[n, n_classes]."""
         proba = np.zeros((len(cells.values), self.n_classes))
-        proba[:, self.model.classes_] = self.model.predict_proba(tree_design(cells)[0])
+        with _tree_threads():
+            proba[:, self.model.classes_] = self.model.predict_proba(tree_design(cells)[0])
         return proba
 
     def predict(self, cells: Cells) -> np.ndarray:
         """[n] predicted targets."""
-        return self.model.predict(tree_design(cells)[0])
+        with _tree_threads():
+            return self.model.predict(tree_design(cells)[0])
 

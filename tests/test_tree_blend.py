@@ -145,3 +145,21 @@ def test_save_leaves_the_trees_out_and_load_fits_the_same_ones(tmp_path, random_
     reg.save(tmp_path / "reg")
     back = TabFMRegressor.load(tmp_path / "reg")
     np.testing.assert_array_equal(back.predict_quantiles(Xr[250:]), reg.predict_quantiles(Xr[250:]))
+
+
+def test_trees_run_on_the_estimators_threads(monkeypatch):
+    """n_jobs=1 keeps the trees' OpenMP to one thread too (it takes every core unless told)."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from threadpoolctl import threadpool_info
+
+    seen = []
+    real = HistGradientBoostingClassifier.fit
+
+    def spy(self, X, y):
+        seen.append({pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "openmp"})
+        return real(self, X, y)
+
+    monkeypatch.setattr(HistGradientBoostingClassifier, "fit", spy)
+    X, y = _steps(300, seed=4)
+    clf = TabFMClassifier(**FAST).fit(X[:250], y[:250])
+    assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
