@@ -16,7 +16,8 @@ one global context per member (local_context_rows=None, the default before local
 the ratios. Target: the default estimator's fit + predict under 1 s. Reference
 ("no cache"): per context, its train rows followed by the test rows it predicts (first or, mixed, second) as one
 table, run through one full model forward, i.e. what every prediction would cost without the cached keys/values;
-its probabilities are checked against predict_proba.
+its probabilities are checked against predict_proba. Then the default (n_jobs=1) saved and loaded: the load's
+seconds and one row's predict (target: under 50 ms).
 
 Memory: for each context size (train rows x 20 features, n_estimators=1), fit + predict_proba of 100 test rows in
 a fresh process (`--one-size ROWS`), reporting the peak resident memory (VmHWM), the baseline before the fit
@@ -76,6 +77,7 @@ TARGET_SECONDS = 1.0
 TARGET_BYTES = 8 * GIB
 TARGET_ROWS = 100_000
 TARGET_FIT_SECONDS = 600.0
+ONE_ROW_TARGET_S = 0.05
 
 
 class Log:
@@ -223,6 +225,34 @@ def speed_section(log: Log, estimators: list[int], repeats: int) -> None:
         total = totals[default, calibrate, "local"]
         log(f"target: 1,000-row case (default n_estimators={default}, calibrate={calibrate}) under "
             f"{TARGET_SECONDS:g} s on this machine: {'MET' if total < TARGET_SECONDS else 'MISSED'} ({total:.3f} s)")
+    one_row_after_load(log, data, totals[default, True, "local"])
+
+
+def one_row_after_load(log: Log, data: tuple, fit_predict_s: float, repeats: int = 20) -> None:
+    """The default estimator (n_jobs=1, as a server answering single rows would run it) fitted on the speed
+    table's train rows, saved and loaded: the load's seconds, then the median of `repeats` one-row predictions
+    after a warm-up, against the default's fit + predict (fit_predict_s)."""
+    import tempfile
+
+    X_train, y_train, X_test, _ = data
+    est = TabFMClassifier(n_jobs=1).fit(X_train, y_train)
+    with tempfile.TemporaryDirectory() as folder:
+        est.save(Path(folder) / "est")
+        t0 = time.perf_counter()
+        loaded = TabFMClassifier.load(Path(folder) / "est")
+        load_s = time.perf_counter() - t0
+    loaded.predict_proba(X_test[:1])
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        loaded.predict_proba(X_test[i + 1:i + 2])
+        times.append(time.perf_counter() - t0)
+    one_s = float(np.median(times))
+    log(f"after save and load (n_jobs=1): load {load_s:.3f} s (the trees fitted again), one row predicted in "
+        f"{1e3 * one_s:.1f} ms (median of {repeats}), {fit_predict_s / one_s:.0f}x faster than the default's fit + "
+        f"predict")
+    log(f"target: one row predicted by a loaded estimator under {1e3 * ONE_ROW_TARGET_S:g} ms: "
+        f"{'MET' if one_s < ONE_ROW_TARGET_S else 'MISSED'} ({1e3 * one_s:.1f} ms)")
 
 
 # -- memory ----------------------------------------------------------------------------------------------------

@@ -163,3 +163,14 @@ def test_trees_run_on_the_estimators_threads(monkeypatch):
     X, y = _steps(300, seed=4)
     clf = TabFMClassifier(**FAST).fit(X[:250], y[:250])
     assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
+
+
+def test_the_speed_benchmark_times_one_row_after_load_with_the_trees_fitted_again():
+    from builders import benchmark_module
+
+    bench = benchmark_module("inference")
+    log = bench.Log()
+    X, y = _steps(300, seed=5)
+    bench.one_row_after_load(log, (X[:250], y[:250], X[250:], y[250:]), fit_predict_s=10.0, repeats=3)
+    assert "the trees fitted again" in log.lines[0] and "median of 3" in log.lines[0]
+    assert log.lines[1].startswith("target: one row predicted by a loaded estimator under 50 ms: M")
