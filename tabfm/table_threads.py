@@ -106,12 +106,12 @@ def _one_blas_thread(enter: bool) -> None:
     """BLAS at one thread while any thread is inside host_work: its thread count is the process's, so the first to
     enter sets it and the last to leave restores it (a limit per block, restored on its exit, would leave the
     count at 1 for good when two threads' blocks overlap)."""
-    from threadpoolctl import threadpool_limits
+    from tabfm.native_threads import limit_threads
 
     with _blas_lock:
         if enter:
             if _blas["users"] == 0:
-                _blas["limits"] = threadpool_limits(limits=1, user_api="blas")
+                _blas["limits"] = limit_threads(1, "blas")
             _blas["users"] += 1
         else:
             _blas["users"] -= 1

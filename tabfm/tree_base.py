@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
 
+from tabfm.native_threads import limit_threads
 from tabfm.preprocess import Cells
 
 MAX_TREE_CATEGORIES = 255
@@ -44,9 +45,7 @@ def _tree_threads() -> Iterator[None]:
     """HistGradientBoosting's OpenMP threads at torch's count within the block: the estimator's n_jobs
     (tabfm.validation.torch_threads), which OpenMP would otherwise ignore and take every core. The trees' outputs
     do not depend on it."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=torch.get_num_threads(), user_api="openmp"):
+    with limit_threads(torch.get_num_threads(), "openmp"):
         yield
 
 

@@ -218,12 +218,12 @@ def torch_threads(n_jobs: int | None) -> Iterator[int]:
     if threads is None:
         yield torch.get_num_threads()
         return
-    from threadpoolctl import threadpool_limits
+    from tabfm.native_threads import limit_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with threadpool_limits(limits=threads, user_api="blas"):
+        with limit_threads(threads, "blas"):
             yield threads
     finally:
         torch.set_num_threads(before)
