@@ -467,7 +467,9 @@ class _TabFMBase(BaseEstimator):
     def _draw_tree_seed(self) -> int:
         """The trees' random_state (tabfm.tree_base): the fit's seed folded into 32 bits, or one drawn where the fit
         has none (random_state=None), kept so that `load` fits the same trees again."""
-        return int(np.random.default_rng(self.seed_).integers(2**31)) if self.seed_ is None else self.seed_ % 2**32
+        if self.seed_ is None:
+            return int(np.random.default_rng().integers(2**31))  # fresh entropy, as the fit's own
+        return self.seed_ % 2**32
 
     def _fit_tree_model(self) -> None:
         """tree_model_ from the fitted attributes (the estimators': at fit and at load)."""
@@ -478,6 +480,16 @@ class _TabFMBase(BaseEstimator):
         if "contexts_" in state:
             state["contexts_"] = None  # large and device-bound: re-encoded from the stored train rows on first use
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A pickle from before a parameter existed gets its default (tree_blend, ...): get_params, clone and a
+        refit read every parameter."""
+        import inspect
+
+        self.__dict__.update(state)
+        for name, param in inspect.signature(type(self).__init__).parameters.items():
+            if name != "self" and param.default is not inspect.Parameter.empty and name not in self.__dict__:
+                setattr(self, name, param.default)
 
     def save(self, path: str | Path) -> None:
         """Save the fitted estimator to the folder `path` (tabfm.persist: JSON and safetensors, no pickle), with its

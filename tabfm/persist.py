@@ -449,7 +449,10 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
     vars(est).update(attributes)
     est.device_ = target
     if getattr(est, "tree_weight_", 0.0) > 0:
-        est._fit_tree_model()
+        from tabfm.validation import torch_threads
+
+        with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
+            est._fit_tree_model()
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     except ValueError as e:  # the weights at its checkpoint are not those it was fitted with

@@ -307,5 +307,6 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         spread = getattr(self, "spread_", 1.0)  # 1 in estimators saved before the factor existed
         quantiles = out[:, :-1] if spread == 1.0 else mean + spread * (out[:, :-1] - mean)
         moved = self._correction(mean[:, 0]) + self._offset(cells)
-        moved = self._tree_blend(mean[:, 0] + moved, cells) - mean[:, 0]
+        if getattr(self, "tree_model_", None) is not None:  # the trees move the distribution as they move its mean
+            moved = moved + self._tree_blend(mean[:, 0] + moved, cells) - (mean[:, 0] + moved)
         return quantiles + moved[:, None]

@@ -88,36 +88,15 @@ def host_work(rows: int) -> Iterator[None]:
     if getattr(_state, "host_all", False) or rows > HOST_WORK_ROWS:
         yield
         return
+    from tabfm.native_threads import shared_limit
+
     before = torch.get_num_threads()  # torch's count is this thread's own
     torch.set_num_threads(1)
-    _one_blas_thread(True)
     try:
-        yield
+        with shared_limit(1, "blas"):  # the process's count: shared with other threads' blocks
+            yield
     finally:
-        _one_blas_thread(False)
         torch.set_num_threads(before)
-
-
-_blas = {"users": 0, "limits": None}
-_blas_lock = threading.Lock()
-
-
-def _one_blas_thread(enter: bool) -> None:
-    """BLAS at one thread while any thread is inside host_work: its thread count is the process's, so the first to
-    enter sets it and the last to leave restores it (a limit per block, restored on its exit, would leave the
-    count at 1 for good when two threads' blocks overlap)."""
-    from tabfm.native_threads import limit_threads
-
-    with _blas_lock:
-        if enter:
-            if _blas["users"] == 0:
-                _blas["limits"] = limit_threads(1, "blas")
-            _blas["users"] += 1
-        else:
-            _blas["users"] -= 1
-            if _blas["users"] == 0:
-                _blas["limits"].restore_original_limits()
-                _blas["limits"] = None
 
 
 def host_work_on_all_threads() -> contextlib.AbstractContextManager:

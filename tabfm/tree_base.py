@@ -52,10 +52,14 @@ def _tree_threads() -> Iterator[None]:
 def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> TreeModel:
     """Trees fitted on the cells' rows: class ids y 0..n_classes-1, or real targets y with n_classes None."""
     X, categorical = tree_design(cells)
+    # early_stopping off: scikit-learn's "auto" turns it on past 10,000 rows, with a validation split stratified
+    # by class that fails on a class of one row (always among the kept rows), and would make the trees of the
+    # held rows and the final ones differ in kind
+    options = dict(categorical_features=categorical, early_stopping=False, random_state=seed)
     if n_classes is None:
-        model = HistGradientBoostingRegressor(categorical_features=categorical, random_state=seed)
+        model = HistGradientBoostingRegressor(**options)
     else:
-        model = HistGradientBoostingClassifier(categorical_features=categorical, random_state=seed)
+        model = HistGradientBoostingClassifier(**options)
     with _tree_threads():
         return TreeModel(model.fit(X, y), n_classes)
 

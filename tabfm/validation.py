@@ -218,12 +218,12 @@ def torch_threads(n_jobs: int | None) -> Iterator[int]:
     if threads is None:
         yield torch.get_num_threads()
         return
-    from tabfm.native_threads import limit_threads
+    from tabfm.native_threads import shared_limit
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with limit_threads(threads, "blas"):
+        with shared_limit(threads, "blas"):  # the process's count: shared with other threads' calls
             yield threads
     finally:
         torch.set_num_threads(before)

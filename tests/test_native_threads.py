@@ -3,11 +3,14 @@
 import sys
 import types
 
-import numpy as np  # noqa: F401  (loads a BLAS)
-import sklearn.ensemble  # noqa: F401  (loads an OpenMP runtime)
+import numpy as np
+import sklearn.ensemble
 from threadpoolctl import threadpool_info
 
 from tabfm import native_threads
+
+LOADED = (np.__name__, sklearn.ensemble.__name__)
+"""Imported for the libraries they load: a BLAS, and an OpenMP runtime."""
 
 
 def _counts(user_api: str) -> set[int]:
@@ -31,3 +34,36 @@ def test_the_controller_is_kept_until_python_imports_a_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "tabfm_test_new_module", types.ModuleType("tabfm_test_new_module"))
     again = native_threads._controller()
     assert again is not first and native_threads._controller() is again
+
+
+def _overlap(enter, n_a, n_b):
+    """Blocks A then B entered, then A left, then B: overlapping without nesting, as two threads' calls may (run
+    here in one thread, in that order: OpenBLAS applies a count set from another thread only in some builds)."""
+    a, b = enter(n_a), enter(n_b)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    b.__exit__(None, None, None)
+
+
+def test_overlapping_blocks_restore_the_process_blas_count():
+    """A helper's finding: two threads predicting at once with n_jobs=1, overlapping without nesting, left BLAS at
+    one thread for good (each call restored on exit what it saw on entry)."""
+    from tabfm.validation import torch_threads
+
+    before = _counts("blas")
+    with native_threads.limit_threads(3, "blas"):
+        _overlap(torch_threads, 1, 2)
+        assert _counts("blas") == {3}
+        _overlap(lambda n: native_threads.shared_limit(n, "blas"), 2, 1)
+        assert _counts("blas") == {3}
+    assert _counts("blas") == before
+
+
+def test_the_smallest_open_limit_holds():
+    with native_threads.limit_threads(3, "blas"):
+        with native_threads.shared_limit(2, "blas"):
+            with native_threads.shared_limit(1, "blas"):
+                assert _counts("blas") == {1}
+            assert _counts("blas") == {2}
+        assert _counts("blas") == {3}

@@ -174,3 +174,31 @@ def test_the_speed_benchmark_times_one_row_after_load_with_the_trees_fitted_agai
     bench.one_row_after_load(log, (X[:250], y[:250], X[250:], y[250:]), fit_predict_s=10.0, repeats=3)
     assert "the trees fitted again" in log.lines[0] and "median of 3" in log.lines[0]
     assert log.lines[1].startswith("target: one row predicted by a loaded estimator under 50 ms: M")
+
+
+def test_trees_past_ten_thousand_rows_take_a_class_of_one_row():
+    """A fuzzer's finding: scikit-learn's early stopping, on past 10,000 rows, split off validation rows
+    stratified by class and failed on a class of one row."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(10_100, 2))
+    y = (X[:, 0] > 0).astype(int)
+    y[7] = 2
+    cells = TablePreprocessor().fit(pd.DataFrame(X)).transform(pd.DataFrame(X))
+    proba = fit_trees(cells, y, 3, seed=0).predict_proba(cells.take(slice(0, 5)))
+    assert proba.shape == (5, 3) and np.allclose(proba.sum(1), 1)
+
+
+def test_a_pickle_from_before_the_trees_gets_their_parameter():
+    """A fuzzer's finding: unpickled estimators from before tree_blend existed failed in get_params, clone and
+    fit; they get the parameter's default, and predict as they did (no trees fitted then)."""
+    from sklearn.base import clone
+
+    X, y = _steps(300, seed=6)
+    clf = TabFMClassifier(**FAST, tree_blend=False).fit(X[:250], y[:250])
+    state = pickle.loads(pickle.dumps(clf)).__getstate__()
+    for name in ("tree_blend", "tree_weight_", "tree_model_", "tree_seed_"):
+        del state[name]
+    old = TabFMClassifier.__new__(TabFMClassifier)
+    old.__setstate__(state)
+    assert old.get_params()["tree_blend"] is True and clone(old).tree_blend is True
+    np.testing.assert_array_equal(old.predict_proba(X[250:]), clf.predict_proba(X[250:]))
