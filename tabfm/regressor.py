@@ -11,6 +11,7 @@ are too, and the weight takes them back towards the ridge. The same held rows fi
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +64,14 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         local contexts leave them out at no extra cost: the distribution's location moves to
         ridge + w x the model's correction. The same rows fit a spread factor s in [0.5, 2]: each distribution
         is widened or narrowed by s about its mean, s minimising the rows' pinball loss at six quantile levels
-        (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). Only with local
-        contexts and at least 4 members; otherwise w = s = 1.
+        (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). With local contexts and
+        at least 4 members the held rows are predicted by members whose contexts leave them out; otherwise (small
+        tables, fewer members, one global context) by a probe as the classifier's: the first members fitted on the
+        other rows, half of one more encoding at most.
     tree_blend : bool, default=True
-        Where calibrate fits its weight (local contexts, at least 4 members), also fit gradient-boosted trees
-        (scikit-learn's HistGradientBoostingRegressor) on the other train rows and weigh them in: predictions
-        (and quantiles, moved with them) become (1 - v) x the model's + v x the trees', v in 0..0.9 the held rows'
-        least squared error (v = 0 where the trees do not help them); the trees are then fitted on every train
+        With calibrate, also fit gradient-boosted trees (scikit-learn's HistGradientBoostingRegressor) on the
+        other train rows and weigh them in: predictions (and quantiles, moved with them) become (1 - v) x the
+        model's + v x the trees', v in 0..0.9 the held rows' least squared error (v = 0 where the trees do not help them); the trees are then fitted on every train
         row (tabfm.tree_base). On the 14 regression tables (5 folds) R^2 0.6092 -> 0.6233 (better on 10, worse
         on 1; islp_bikeshare 0.79 -> 0.92), for two tree fits at fit.
     mix_contexts : bool, default=False
@@ -129,15 +131,18 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self._target_kinds()
         model = self._prepare()
         n_members = self._members_for(len(y))
-        held, held_members = self._held_rows(len(y), n_members)
-        self._fit_common(X, y, n_members, model, held=held, held_members=held_members)
+        rng = self._calibration_rng()
+        held, held_members = self._held_rows(len(y), n_members, rng)
+        self._fit_common(X, y, n_members, model, encode=held is None or held_members > 0,
+                         held=held if held_members else None, held_members=held_members)
         self.correction_weight_, self.spread_, self.tree_weight_ = 1.0, 1.0, 0.0
         self.tree_seed_, self.tree_target_ = self._draw_tree_seed(), None
-        if held_members:
-            levels = calibration.SPREAD_LEVELS
-            out = self._cell_outputs(self.train_cells_.take(held), lambda probs, units, weights: np.column_stack(
-                [self._mean_of(probs, units, weights), self._quantiles_of(probs, units, levels, weights)]),
-                members=held_members)
+        if held is not None:
+            if held_members:
+                out = self._cell_outputs(self.train_cells_.take(held), self._held_outputs(), members=held_members)
+            else:
+                out = self._probe(held, rng)
+                self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist
             mean, quantiles = out[:, 0], out[:, 1:]
             scale = self.target_scale_
             self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
@@ -173,17 +178,40 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.tree_model_ = (fit_trees(self.train_cells_, self.tree_target_, None, self.tree_seed_)
                             if self.tree_weight_ > 0 else None)
 
-    def _held_rows(self, n: int, n_members: int) -> tuple[np.ndarray | None, int]:
-        """(held rows, members that leave them out and predict them) for the correction weight; (None, 0)
-        without calibrate, with fewer than 10 rows to hold, or where no members can hold them
-        (_TabFMBase._held_members: local contexts with rows to spare, 4+ members)."""
+    def _held_rows(self, n: int, n_members: int, rng: np.random.Generator) -> tuple[np.ndarray | None, int]:
+        """(held rows, members that leave them out and predict them) for the calibration; (None, 0) without
+        calibrate or with fewer than 10 rows to hold; 0 members where none can hold them (_TabFMBase._held_members:
+        local contexts with rows to spare, 4+ members): a probe predicts them then."""
         if not self.calibrate:
             return None, 0
-        held = calibration.held_out_targets(n, self._calibration_rng())
-        members = self._held_members(n_members, n - len(held))
-        if len(held) < 10 or not members:
+        held = calibration.held_out_targets(n, rng)
+        if len(held) < 10:
             return None, 0
-        return held, members
+        return held, self._held_members(n_members, n - len(held))
+
+    def _held_outputs(self) -> Any:
+        """The finalize of _cell_outputs that calibration reads: [n, 1 + len(SPREAD_LEVELS)] each row's mean, then
+        its quantiles at calibration.SPREAD_LEVELS."""
+        levels = calibration.SPREAD_LEVELS
+        return lambda probs, units, weights: np.column_stack(
+            [self._mean_of(probs, units, weights), self._quantiles_of(probs, units, levels, weights)])
+
+    def _probe(self, held: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """_held_outputs of the rows `held` predicted by a probe, as the classifier's (TabFMClassifier._calibrate):
+        the first calibration.calibration_members members fitted on the other train rows, their contexts holding at
+        most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), encoded before the fit's own."""
+        n = len(self.y_train_)
+        keep = np.setdiff1d(np.arange(n), held)
+        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
+        probe.model_ = self._model()
+        members = calibration.calibration_members(self.n_members_)
+        probe.n_members_, probe.members_ = members, self.members_[:members]
+        probe.target_maps_ = self.target_maps_[:members]
+        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), self.y_train_[keep]
+        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
+                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
+        probe.contexts_ = None
+        return probe._cell_outputs(self.train_cells_.take(held), probe._held_outputs())
 
     def _correction(self, mean: np.ndarray) -> np.ndarray:
         """[n] how far the model's predictive distributions move given their means: -(1 - w) x the model's

@@ -337,7 +337,7 @@ def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw
     X, y = rng.normal(size=(900, 4)), rng.normal(size=900)
     kwargs = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
     reg = TabFMRegressor(**kwargs).fit(X[:600], y[:600])
-    held, members = reg._held_rows(600, 4)
+    held, members = reg._held_rows(600, 4, reg._calibration_rng())
     assert members == 2 and len(held) == 120
     for m in range(4):
         assert np.isin(held, reg.context_rows_[reg.context_members_ == m]).any() == (m >= 2)
@@ -389,6 +389,27 @@ def test_the_regressor_scales_its_distributions_by_the_spread_its_held_rows_ask_
                                (q - mean[:, None]) / spread, rtol=1e-9, atol=1e-9)
     assert TabFMRegressor(calibrate=False, n_estimators=4, local_context_rows=64, n_jobs=1).fit(
         X[:900], y[:900]).spread_ == 1.0
+
+
+def test_a_small_regression_table_calibrates_through_a_probe(monkeypatch):
+    """Where no members can leave the held rows out (one context of every train row: tables of up to
+    local_context_rows kept rows), a probe predicts them, as the classifier's does: its contexts are encoded
+    first, then the fit's, and the correction weight, spread factor and trees' weight are fitted from them."""
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(260, 3))
+    y = 2 * (X[:, 0] > 0) + np.sin(2 * X[:, 1]) + 0.2 * rng.normal(size=260)
+    shapes = []
+    real = inference.encode_context
+    monkeypatch.setattr("tabfm.estimator.encode_context",
+                        lambda m, b: shapes.append(tuple(b.values.shape[:2])) or real(m, b))
+    reg = TabFMRegressor(n_estimators=4, n_jobs=1).fit(X[:200], y[:200])
+    held, members = reg._held_rows(200, 4, reg._calibration_rng())
+    assert len(held) == 40 and members == 0 and reg.local_ is None
+    assert [rows for _, rows in shapes] == [160, 200]  # the probe's 2 members on the kept rows, then the fit's 4
+    assert [groups for groups, _ in shapes] == [2, 4]
+    assert reg.spread_ in calibration.SPREADS and 0 <= reg.correction_weight_ <= 1 and reg.tree_weight_ > 0
+    plain = TabFMRegressor(n_estimators=4, n_jobs=1, calibrate=False).fit(X[:200], y[:200])
+    assert (plain.correction_weight_, plain.spread_, plain.tree_weight_) == (1.0, 1.0, 0.0)
 
 
 def test_auto_members_fit_more_members_on_small_tables(tmp_path):
