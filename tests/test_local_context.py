@@ -257,7 +257,7 @@ def _sharded_local(tp: tuple[int, int] | None, sp: bool) -> tuple[np.ndarray, np
                   sequence_parallel=sp)
     clf = TabFMClassifier(**kwargs).fit(df[:110], y[:110])
     reg = TabFMRegressor(**kwargs).fit(df[:110], target[:110])
-    assert reg._held_rows(110, 4)[1] == 2 and clf._held_members(4, 88) == 2
+    assert reg._held_rows(110, 4, reg._calibration_rng())[1] == 2 and clf._held_members(4, 88) == 2
     return np.append(clf.predict_proba(df[110:]), clf.temperature_), np.append(reg.predict(df[110:]),
                                                                                 reg.correction_weight_)
 
