@@ -1,7 +1,8 @@
 """Calibration on held-out train rows: which rows the estimators hold out, the classifier's softmax temperature,
 logistic-blend weight and trees' weight that minimise their log-loss, and the regressor's weights of the model's
-correction over its ridge and of the trees (tabfm.tree_base). The predictions of the held rows are the estimators' own (TabFMClassifier._calibrate,
-TabFMRegressor.fit); what is here reads only arrays, so it is tested on its own."""
+correction over its ridge and of the trees (tabfm.tree_base). The predictions of the held rows are the
+estimators' own (TabFMClassifier._calibrate, TabFMRegressor.fit); what is here reads only arrays, so it is tested
+on its own."""
 
 from __future__ import annotations
 

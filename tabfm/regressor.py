@@ -71,9 +71,10 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     tree_blend : bool, default=True
         With calibrate, also fit gradient-boosted trees (scikit-learn's HistGradientBoostingRegressor) on the
         other train rows and weigh them in: predictions (and quantiles, moved with them) become (1 - v) x the
-        model's + v x the trees', v in 0..0.9 the held rows' least squared error (v = 0 where the trees do not help them); the trees are then fitted on every train
-        row (tabfm.tree_base). On the 14 regression tables (5 folds) R^2 0.6092 -> 0.6233 (better on 10, worse
-        on 1; islp_bikeshare 0.79 -> 0.92), for two tree fits at fit.
+        model's + v x the trees', v in 0..0.9 the held rows' least squared error (v = 0 where the trees do not
+        help them); the trees are then fitted on every train row (tabfm.tree_base). On the 14 regression tables
+        (5 folds) R^2 0.6092 -> 0.6233 (better on 10, worse on 1; islp_bikeshare 0.79 -> 0.92), for two tree
+        fits at fit.
     mix_contexts : bool, default=False
         As the classifier's: a test row near the edge of a member's local context is also predicted from that
         member's second context, and the member's distribution is the mixture of the two (each in its own
