@@ -13,7 +13,6 @@ codes decoded by log-likelihood).
 
 from __future__ import annotations
 
-import copy
 import numbers
 from pathlib import Path
 from typing import Any
@@ -247,30 +246,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
     def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float, LinearChoice]:
         """(softmax temperature, blend weight, trees' weight, LinearChoice) from the calibration rows `held`
-        predicted by a probe: the same ensemble fitted on the other train rows. Where the first members' local
-        contexts cannot leave the rows out (no local contexts, too few rows left, fewer than 4 members, or too
-        many classes), an honest held-out prediction needs a second encoding: nothing of the full contexts
-        carries over to one, since every stage that reads train rows mixes all of them (the cell statistics, the
-        attention down each column, the in-context transformer). It is kept cheap: its context holds at most
-        half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), drawn per member, and it runs before the
-        full contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both; and
-        it runs the first calibration.calibration_members members only, where the classes allow.
-        """
-        y, n = self.y_train_, len(self.y_train_)
-        keep = np.setdiff1d(np.arange(n), held)
-        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
-        probe.model_ = self._model()
-        if len(self.classes_) <= self.n_groups_:  # else every member is needed to decode the classes
-            members = calibration.calibration_members(self.n_members_)
-            probe.n_members_, probe.members_ = members, self.members_[:members]
-            probe.class_codes_ = self.class_codes_[:members]
-        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), y[keep]
-        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
-                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
-        probe.contexts_ = None
-        logp = probe._cell_outputs(self.train_cells_.take(held))
-        with host_work(n):
+        predicted by a probe (_TabFMBase._probe) of the first calibration.calibration_members members, or of
+        every member where the classes need them all to be decoded."""
+        members = (calibration.calibration_members(self.n_members_) if len(self.classes_) <= self.n_groups_
+                   else self.n_members_)
+        logp = self._probe(held, rng, members)._cell_outputs(self.train_cells_.take(held))
+        with host_work(len(self.y_train_)):
             return self._fit_temperature(logp, held)
+
+    def _keep_members(self, members: int) -> None:
+        self.class_codes_ = self.class_codes_[:members]
 
     def _blend(self, proba: np.ndarray, cells: Cells) -> np.ndarray:
         """The ensemble's class probabilities of the rows of `cells` with the logistic regression and the trees

@@ -19,6 +19,7 @@ calls fit / predict with the same data and gets the one-process result.
 
 from __future__ import annotations
 
+import copy
 import functools
 import numbers
 from pathlib import Path
@@ -183,6 +184,29 @@ class _TabFMBase(BaseEstimator):
         if self.local_context_rows is None or kept <= self.local_context_rows:
             return 0
         return calibration.held_members(n_members)
+
+    def _probe(self, held: np.ndarray, rng: np.random.Generator, members: int) -> _TabFMBase:
+        """The calibration's probe: this ensemble's first `members` members fitted on the train rows other than
+        `held`, its contexts drawn (not yet encoded: the first predict encodes them) from at most half the train
+        rows, never fewer than calibration.CALIBRATION_CONTEXT_ROWS. Where the first members' local contexts cannot
+        leave the held rows out (no local contexts, too few rows left, fewer than 4 members, or more classes than
+        the head), an honest held-out prediction needs a second encoding: nothing of the full contexts carries
+        over, since every stage that reads train rows mixes all of them. The estimators run it before their own
+        contexts are encoded, its caches freed first, so peak memory is the larger encoding, not both."""
+        n = len(self.y_train_)
+        keep = np.setdiff1d(np.arange(n), held)
+        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
+        probe.model_ = self._model()
+        probe.n_members_, probe.members_ = members, self.members_[:members]
+        probe._keep_members(members)
+        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), self.y_train_[keep]
+        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
+                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
+        probe.contexts_ = None
+        return probe
+
+    def _keep_members(self, members: int) -> None:
+        """Keep the per-member fitted state of the first `members` members only (the probe's)."""
 
     def _relevance_targets(self, y: np.ndarray) -> np.ndarray:
         """[n, T] the context targets y_train_ as tabfm.local_context.column_relevance reads them: one-hot class

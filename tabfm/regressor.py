@@ -11,7 +11,6 @@ are too, and the weight takes them back towards the ridge. The same held rows fi
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +141,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             if held_members:
                 out = self._cell_outputs(self.train_cells_.take(held), self._held_outputs(), members=held_members)
             else:
-                out = self._probe(held, rng)
+                probe = self._probe(held, rng, calibration.calibration_members(self.n_members_))
+                out = probe._cell_outputs(self.train_cells_.take(held), probe._held_outputs())
                 self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist
             mean, quantiles = out[:, 0], out[:, 1:]
             scale = self.target_scale_
@@ -197,22 +197,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         return lambda probs, units, weights: np.column_stack(
             [self._mean_of(probs, units, weights), self._quantiles_of(probs, units, levels, weights)])
 
-    def _probe(self, held: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """_held_outputs of the rows `held` predicted by a probe, as the classifier's (TabFMClassifier._calibrate):
-        the first calibration.calibration_members members fitted on the other train rows, their contexts holding at
-        most half the train rows (never fewer than CALIBRATION_CONTEXT_ROWS), encoded before the fit's own."""
-        n = len(self.y_train_)
-        keep = np.setdiff1d(np.arange(n), held)
-        probe = copy.copy(self)  # through __getstate__: no model_, no contexts
-        probe.model_ = self._model()
-        members = calibration.calibration_members(self.n_members_)
-        probe.n_members_, probe.members_ = members, self.members_[:members]
-        probe.target_maps_ = self.target_maps_[:members]
-        probe.train_cells_, probe.y_train_ = self.train_cells_.take(keep), self.y_train_[keep]
-        probe._draw_contexts(probe.train_cells_, probe.y_train_, rng,
-                             max(calibration.CALIBRATION_CONTEXT_ROWS, n // 2))
-        probe.contexts_ = None
-        return probe._cell_outputs(self.train_cells_.take(held), probe._held_outputs())
+    def _keep_members(self, members: int) -> None:
+        self.target_maps_ = self.target_maps_[:members]
 
     def _correction(self, mean: np.ndarray) -> np.ndarray:
         """[n] how far the model's predictive distributions move given their means: -(1 - w) x the model's
