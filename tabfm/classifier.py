@@ -116,7 +116,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         (v = 0 where they do not help them), then on every train row. Trees keep gaining from rows and sharp
         interactions where the model does not: on the 42 classification tables (5 folds) ROC-AUC 0.8887 ->
         0.8909 and log-loss 0.3902 -> 0.3801 (each better on 23 tables, worse on 14 and 15), for two tree fits
-        at fit (about 20% more fit + predict time at 1,000 x 1,000 x 20).
+        at fit (1.2-1.4x the fit + predict time at 1,000 x 1,000 x 20 in two runs).
     mix_contexts : bool, default=True
         With local contexts, predict a test row near the edge of a member's context from that member's second
         context too (the one home to the next most of its 16 nearest train rows) and mix the two's class

@@ -43,17 +43,26 @@ _shared: dict[str, dict[str, Any]] = {}
 _shared_lock = threading.Lock()
 
 
+def _shared_set(state: dict[str, Any], limits: int, user_api: str) -> None:
+    """Set the count through the current controller; a limiter of a controller not seen before is kept, since it
+    alone knows the original counts of libraries loaded since the first block opened."""
+    controller = _controller()
+    limiter = controller.limit(limits=limits, user_api=user_api)
+    if controller is not state["controller"]:
+        state["controller"] = controller
+        state["limiters"].append(limiter)
+
+
 @contextlib.contextmanager
 def shared_limit(limits: int, user_api: str) -> Iterator[None]:
     """`user_api`'s threads at the smallest limit of the blocks open in any thread, and back to what they were
     before the first once the last closes: for a process-wide count (BLAS), where overlapping blocks of several
-    threads must not restore each other's limits."""
+    threads must not restore each other's limits. A library loaded while blocks are open is restored too (the
+    limiters of each new controller are undone newest first, so each library ends at the count the first limiter
+    that knew it saw)."""
     with _shared_lock:
-        state = _shared.setdefault(user_api, {"open": [], "first": None})
-        if not state["open"]:
-            state["first"] = limit_threads(limits, user_api)  # remembers the counts to restore
-        else:
-            limit_threads(min(*state["open"], limits), user_api)
+        state = _shared.setdefault(user_api, {"open": [], "limiters": [], "controller": None})
+        _shared_set(state, min(*state["open"], limits) if state["open"] else limits, user_api)
         state["open"].append(limits)
     try:
         yield
@@ -61,7 +70,8 @@ def shared_limit(limits: int, user_api: str) -> Iterator[None]:
         with _shared_lock:
             state["open"].remove(limits)
             if state["open"]:
-                limit_threads(min(state["open"]), user_api)
+                _shared_set(state, min(state["open"]), user_api)
             else:
-                state["first"].restore_original_limits()
-                state["first"] = None
+                for limiter in reversed(state["limiters"]):
+                    limiter.restore_original_limits()
+                state["limiters"], state["controller"] = [], None

@@ -453,6 +453,8 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
 
         with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
             est._fit_tree_model()
+    else:
+        est.tree_model_ = None  # as fit leaves it (also for one saved before the trees existed)
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     except ValueError as e:  # the weights at its checkpoint are not those it was fitted with

@@ -62,8 +62,41 @@ def test_overlapping_blocks_restore_the_process_blas_count():
 
 def test_the_smallest_open_limit_holds():
     with native_threads.limit_threads(3, "blas"):
-        with native_threads.shared_limit(2, "blas"):
-            with native_threads.shared_limit(1, "blas"):
-                assert _counts("blas") == {1}
-            assert _counts("blas") == {2}
+        with native_threads.shared_limit(1, "blas"):
+            with native_threads.shared_limit(2, "blas"):
+                assert _counts("blas") == {1}  # not the last block's 2
+            assert _counts("blas") == {1}
         assert _counts("blas") == {3}
+
+
+def test_a_library_loaded_inside_open_blocks_is_restored_too(monkeypatch):
+    """A reviewer's finding: the first block's limiter knew only the libraries loaded then, so one loaded while
+    blocks were open stayed at their limit. Here a later controller stands in for one that found a new library."""
+    calls = []
+
+    class Limiter:
+        def __init__(self, name):
+            self.name = name
+
+        def restore_original_limits(self):
+            calls.append(self.name)
+
+    class Controller:
+        def __init__(self, name):
+            self.name = name
+
+        def limit(self, limits, user_api):
+            return Limiter(self.name)
+
+    current = {"c": Controller("first")}
+    monkeypatch.setattr(native_threads, "_controller", lambda: current["c"])
+    monkeypatch.setitem(native_threads._shared, "test_api", {"open": [], "limiters": [], "controller": None})
+    outer = native_threads.shared_limit(1, "test_api")
+    outer.__enter__()
+    with native_threads.shared_limit(2, "test_api"):
+        pass  # the same controller: its limiter is not kept
+    current["c"] = Controller("after-import")  # an import since: a new controller
+    with native_threads.shared_limit(2, "test_api"):
+        pass
+    outer.__exit__(None, None, None)
+    assert calls == ["after-import", "first"]  # newest first, each library back to its first-seen count
