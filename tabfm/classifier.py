@@ -192,11 +192,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self._fit_tree_model()
         return self
 
-    def _fit_tree_model(self) -> None:
-        """tree_model_: the trees on every train row where they have a weight, else None (also at load: save
-        keeps what they are fitted on, not the trees)."""
-        self.tree_model_ = (fit_trees(self.train_cells_, self.y_train_, len(self.classes_), self.tree_seed_)
-                            if self.tree_weight_ > 0 else None)
+    def _tree_targets(self) -> tuple[np.ndarray, int]:
+        return self.y_train_, len(self.classes_)
 
     def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The train rows (class ids y) calibration predicts (tabfm.calibration.held_out_rows); none where fewer

@@ -43,6 +43,7 @@ from tabfm.precision import autocast
 from tabfm.preprocess import Cells, TablePreprocessor
 from tabfm.raw_columns import arrow_as_polars, check_table_shape
 from tabfm.table_threads import host_work, map_tables, table_workers
+from tabfm.tree_base import fit_trees
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
                               torch_threads)
 
@@ -496,7 +497,15 @@ class _TabFMBase(BaseEstimator):
         return self.seed_ % 2**32
 
     def _fit_tree_model(self) -> None:
-        """tree_model_ from the fitted attributes (the estimators': at fit and at load)."""
+        """tree_model_: the trees on every train row where they have a weight, else None (at fit, and at load:
+        save keeps what they are fitted on, not the trees; None too for an estimator saved before they existed)."""
+        if getattr(self, "tree_weight_", 0.0) > 0:
+            self.tree_model_ = fit_trees(self.train_cells_, *self._tree_targets(), self.tree_seed_)
+        else:
+            self.tree_model_ = None
+
+    def _tree_targets(self) -> tuple[np.ndarray, int | None]:
+        """(what the trees learn of the train rows, the class count or None for regression)."""
         raise NotImplementedError
 
     def __getstate__(self) -> dict:

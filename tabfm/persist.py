@@ -448,15 +448,12 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
     est.device_ = target
-    if getattr(est, "tree_weight_", 0.0) > 0:
-        from tabfm.validation import torch_threads
-
-        with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
-            est._fit_tree_model()
-    else:
-        est.tree_model_ = None  # as fit leaves it (also for one saved before the trees existed)
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     except ValueError as e:  # the weights at its checkpoint are not those it was fitted with
         raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
+    from tabfm.validation import torch_threads
+
+    with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
+        est._fit_tree_model()
     return est

@@ -173,11 +173,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
             self.tree_target_ = target
         return scale.scale * self.tree_weight_ * (trees - ours)
 
-    def _fit_tree_model(self) -> None:
-        """tree_model_: the trees on every train row where they have a weight, else None (also at load: save
-        keeps what they are fitted on, not the trees)."""
-        self.tree_model_ = (fit_trees(self.train_cells_, self.tree_target_, None, self.tree_seed_)
-                            if self.tree_weight_ > 0 else None)
+    def _tree_targets(self) -> tuple[np.ndarray, None]:
+        return self.tree_target_, None
 
     def _held_rows(self, n: int, n_members: int, rng: np.random.Generator) -> tuple[np.ndarray | None, int]:
         """(held rows, members that leave them out and predict them) for the calibration; (None, 0) without
