@@ -62,7 +62,7 @@ def shared_limit(limits: int, user_api: str) -> Iterator[None]:
     that knew it saw)."""
     with _shared_lock:
         state = _shared.setdefault(user_api, {"open": [], "limiters": [], "controller": None})
-        _shared_set(state, min(*state["open"], limits) if state["open"] else limits, user_api)
+        _shared_set(state, min([*state["open"], limits]), user_api)
         state["open"].append(limits)
     try:
         yield

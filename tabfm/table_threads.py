@@ -88,15 +88,10 @@ def host_work(rows: int) -> Iterator[None]:
     if getattr(_state, "host_all", False) or rows > HOST_WORK_ROWS:
         yield
         return
-    from tabfm.native_threads import shared_limit
+    from tabfm.validation import torch_threads
 
-    before = torch.get_num_threads()  # torch's count is this thread's own
-    torch.set_num_threads(1)
-    try:
-        with shared_limit(1, "blas"):  # the process's count: shared with other threads' blocks
-            yield
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def host_work_on_all_threads() -> contextlib.AbstractContextManager:
