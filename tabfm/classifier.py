@@ -174,18 +174,18 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         y_ids = y_ids.astype(np.int64)
         rng = self._calibration_rng()
         self.tree_seed_ = self._draw_tree_seed()
-        held = self._calibration_rows(y_ids, rng) if self.calibrate else np.empty(0, np.int64)
-        held_members = self._held_members(n_members, len(y_ids) - len(held))
-        if len(held) and held_members:
+        held = calibration.held_out_rows(y_ids, K, rng) if self.calibrate else np.empty(0, np.int64)
+        folds, held_members = self._calibration_folds(len(y_ids), held, n_members, rng, y_ids)
+        if held_members:
             self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
             logp = self._cell_outputs(self.train_cells_.take(held), members=held_members)
             with host_work(len(y_ids)):  # the logistic regressions and the blend's search, between forwards
-                self.temperature_, self.blend_weight_, self.tree_weight_, linear = self._fit_temperature(logp, held)
+                self.temperature_, self.blend_weight_, self.tree_weight_, linear = self._fit_temperature(logp, folds)
         else:
             self._fit_common(X, y_ids, n_members, model, encode=False)
             self.temperature_, self.blend_weight_, self.tree_weight_, linear = (
-                self._calibrate(held, rng) if len(held) else (float(self.softmax_temperature), 0.0, 0.0, None))
-            self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist with these
+                self._calibrate(folds, rng) if folds else (float(self.softmax_temperature), 0.0, 0.0, None))
+            self._encode_contexts()  # after the probes' contexts are freed: their caches never coexist with these
         with host_work(len(self.y_train_)):
             self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
                                                     start=linear.kept) if self.blend_weight_ > 0 else None)
@@ -195,61 +195,67 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def _tree_targets(self) -> tuple[np.ndarray, int]:
         return self.y_train_, len(self.classes_)
 
-    def _calibration_rows(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The train rows (class ids y) calibration predicts (tabfm.calibration.held_out_rows); none where fewer
-        than 10, too few to fit a temperature to."""
-        held = calibration.held_out_rows(y, len(self.classes_), rng)
-        return held if len(held) >= 10 else np.empty(0, np.int64)
-
     def _held_members(self, n_members: int, kept: int) -> int:
         """As the base's (0: calibrate through a probe), and 0 with more classes than the model's head: every
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    def _fit_temperature(self, logp: np.ndarray, held: np.ndarray) -> tuple[float, float, float, LinearChoice]:
+    def _fit_temperature(self, logp: np.ndarray, folds: list[np.ndarray]) -> tuple[float, float, float, LinearChoice]:
         """(softmax temperature, blend weight, trees' weight, the logistic regression's LinearChoice) that minimise
-        the log-loss of the train rows `held`, given the members' predictions of them logp [M, h, G] from contexts
-        without them, and with linear_blend (tree_blend) a logistic regression's (trees') fitted on the other
-        train rows. The logistic regression's view of the
-        numeric columns (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS,
-        then its penalty among them in that view, each fit starting from that view's first (two stages: a fit
-        per view and per other penalty, not per pair). Ties go to the first view and penalty, then the lowest
-        temperature, then the lowest weight."""
+        the log-loss of the held train rows (those of `folds`, in their order), given the members' predictions of
+        them logp [M, h, G] from contexts without their fold, and with linear_blend (tree_blend) a logistic
+        regression's (trees') fitted without their fold too. The logistic regression's view of the numeric columns
+        (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS, then its penalty
+        among them in that view, each fit starting from that view's first (two stages: a fit per view and per
+        other penalty, not per pair). Ties go to the first view and penalty, then the lowest temperature, then
+        the lowest weight."""
         y, K = self.y_train_, len(self.classes_)
-        keep = np.setdiff1d(np.arange(len(y)), held)
-        held_cells, keep_cells = self.train_cells_.take(held), self.train_cells_.take(keep)
+        held = np.concatenate(folds)
+        kept = [np.setdiff1d(np.arange(len(y)), fold) for fold in folds]
+        kept_cells = [self.train_cells_.take(keep) for keep in kept]
+        held_cells = [self.train_cells_.take(fold) for fold in folds]
 
-        truth = np.arange(len(held)), y[held]  # the log-loss reads each held row's true class only
+        def held_probabilities(fit) -> tuple[np.ndarray, list]:
+            """([h] each held row's true-class probability by fit(kept cells, kept class ids, fold number) of its
+            fold's kept rows, [the fitted models, one per fold])."""
+            models = [fit(cells, y[keep], f) for f, (cells, keep) in enumerate(zip(kept_cells, kept, strict=True))]
+            return np.concatenate([model.predict_proba(cells)[np.arange(len(fold)), y[fold]]
+                                   for model, cells, fold in zip(models, held_cells, folds, strict=True)]), models
+
         ensemble = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
         weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
-        if self.linear_blend and len(np.unique(y[keep])) > 1:
-            weights, design = calibration.BLEND_WEIGHTS, LinearDesign.fit(keep_cells)
-            views = design.views(len(keep))  # hinges where their lbfgs has room, as the ridge's
-            firsts = [LogisticModel.fit_design(keep_cells, y[keep], K, design.viewed(view, keep_cells),
-                                               LOGISTIC_CS[0]) for view in views]
-            linears = [model.predict_proba(held_cells)[truth] for model in firsts]
-            best = calibration.best_blend(ensemble, np.stack(linears), weights)[0]
-            models = [firsts[best]] + [LogisticModel.fit_design(keep_cells, y[keep], K, firsts[best].design, C,
-                                                                start=firsts[best]) for C in LOGISTIC_CS[1:]]
-            linears = [linears[best]] + [model.predict_proba(held_cells)[truth] for model in models[1:]]
-            choices = [LinearChoice(views[best], C, model) for C, model in zip(LOGISTIC_CS, models, strict=True)]
-        if self.tree_blend and len(np.unique(y[keep])) > 1:
-            trees = fit_trees(keep_cells, y[keep], K, self.tree_seed_).predict_proba(held_cells)[truth]
+        trainable = all(len(np.unique(y[keep])) > 1 for keep in kept)
+        if self.linear_blend and trainable:
+            weights = calibration.BLEND_WEIGHTS
+            designs = [LinearDesign.fit(cells) for cells in kept_cells]
+            views = designs[0].views(len(kept[0]))  # hinges where their lbfgs has room, as the ridge's
+            firsts = [held_probabilities(lambda cells, y_keep, f, view=view: LogisticModel.fit_design(
+                cells, y_keep, K, designs[f].viewed(view, cells), LOGISTIC_CS[0])) for view in views]
+            best = calibration.best_blend(ensemble, np.stack([p for p, _ in firsts]), weights)[0]
+            starts = firsts[best][1]
+            others = [held_probabilities(lambda cells, y_keep, f, C=C: LogisticModel.fit_design(
+                cells, y_keep, K, starts[f].design, C, start=starts[f])) for C in LOGISTIC_CS[1:]]
+            linears = [firsts[best][0]] + [p for p, _ in others]
+            choices = [LinearChoice(views[best], C, models[0])
+                       for C, (_, models) in zip(LOGISTIC_CS, [firsts[best]] + others, strict=True)]
+        if self.tree_blend and trainable:
+            trees = held_probabilities(lambda cells, y_keep, f: fit_trees(cells, y_keep, K, self.tree_seed_))[0]
             choice, temperature, weight, tree_weight = calibration.best_tree_blend(ensemble, np.stack(linears),
                                                                                    weights, trees)
             return temperature, weight, tree_weight, choices[choice]
         choice, temperature, weight = calibration.best_blend(ensemble, np.stack(linears), weights)
         return temperature, weight, 0.0, choices[choice]
 
-    def _calibrate(self, held: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float, LinearChoice]:
-        """(softmax temperature, blend weight, trees' weight, LinearChoice) from the calibration rows `held`
-        predicted by a probe (_TabFMBase._probe) of the first calibration.calibration_members members, or of
+    def _calibrate(self, folds: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float, float, LinearChoice]:
+        """(softmax temperature, blend weight, trees' weight, LinearChoice) from the rows of each fold predicted by
+        a probe (_TabFMBase._probe) of the first calibration.calibration_members members fitted without them, or of
         every member where the classes need them all to be decoded."""
         members = (calibration.calibration_members(self.n_members_) if len(self.classes_) <= self.n_groups_
                    else self.n_members_)
-        logp = self._probe(held, rng, members)._cell_outputs(self.train_cells_.take(held))
+        logp = np.concatenate([self._probe(fold, rng, members)._cell_outputs(self.train_cells_.take(fold))
+                               for fold in folds], axis=1)
         with host_work(len(self.y_train_)):
-            return self._fit_temperature(logp, held)
+            return self._fit_temperature(logp, folds)
 
     def _keep_members(self, members: int) -> None:
         self.class_codes_ = self.class_codes_[:members]

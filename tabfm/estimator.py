@@ -186,6 +186,23 @@ class _TabFMBase(BaseEstimator):
             return 0
         return calibration.held_members(n_members)
 
+    def _calibration_folds(self, n: int, held: np.ndarray, n_members: int, rng: np.random.Generator,
+                           classes: np.ndarray | None = None) -> tuple[list[np.ndarray], int]:
+        """([the sets of train rows calibration predicts, each from the rows outside it], how many first members
+        leave them out of their local contexts and predict them) of n train rows, given `held`, the one set drawn
+        for it: that set where members can hold it (_held_members); otherwise probes predict the rows, and on
+        tables of at most calibration.CROSS_FIT_ROWS train rows, where one set is a few dozen rows, every row
+        instead, in folds (calibration.cross_fit_folds, stratified by class ids `classes`). ([], 0) where fewer
+        than calibration.MIN_HELD_ROWS would be held. Why not cross-fit every small table: where members hold the
+        rows there is no second encoding to pay for, and on the 56 tables the folds gained where a probe runs
+        anyway (docs/accuracy.md)."""
+        if len(held) < calibration.MIN_HELD_ROWS:
+            return [], 0
+        members = self._held_members(n_members, n - len(held))
+        if members or not calibration.cross_fits(n):
+            return [held], members
+        return calibration.cross_fit_folds(n, rng, classes), 0
+
     def _probe(self, held: np.ndarray, rng: np.random.Generator, members: int) -> _TabFMBase:
         """The calibration's probe: this ensemble's first `members` members fitted on the train rows other than
         `held`, its contexts drawn (not yet encoded: the first predict encodes them) from at most half the train

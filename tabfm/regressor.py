@@ -132,42 +132,45 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         model = self._prepare()
         n_members = self._members_for(len(y))
         rng = self._calibration_rng()
-        held, held_members = self._held_rows(len(y), n_members, rng)
-        self._fit_common(X, y, n_members, model, encode=held is None or held_members > 0,
-                         held=held if held_members else None, held_members=held_members)
+        folds, held_members = self._held_rows(len(y), n_members, rng)
+        self._fit_common(X, y, n_members, model, encode=not folds or held_members > 0,
+                         held=folds[0] if held_members else None, held_members=held_members)
         self.correction_weight_, self.spread_, self.tree_weight_ = 1.0, 1.0, 0.0
         self.tree_seed_, self.tree_target_ = self._draw_tree_seed(), None
-        if held is not None:
+        if folds:
+            held = np.concatenate(folds)
             if held_members:
                 out = self._cell_outputs(self.train_cells_.take(held), self._held_outputs(), members=held_members)
             else:
-                probe = self._probe(held, rng, calibration.calibration_members(self.n_members_))
-                out = probe._cell_outputs(self.train_cells_.take(held), probe._held_outputs())
-                self._encode_contexts()  # after the probe's contexts are freed: their caches never coexist
+                members = calibration.calibration_members(self.n_members_)
+                out = np.concatenate([self._probe_outputs(fold, rng, members) for fold in folds])
+                self._encode_contexts()  # after the probes' contexts are freed: their caches never coexist
             mean, quantiles = out[:, 0], out[:, 1:]
             scale = self.target_scale_
             self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
                                                                     self.y_train_[held])
             shift = self._correction(mean)[:, None]
             if self.tree_blend:
-                shift = shift + self._weigh_trees(y, held, mean + shift[:, 0])[:, None]
+                shift = shift + self._weigh_trees(y, folds, mean + shift[:, 0])[:, None]
             self.spread_ = calibration.spread_factor(mean + shift[:, 0], quantiles + shift,
                                                      scale.inverse(self.y_train_[held]))
         self._fit_tree_model()
         return self
 
-    def _weigh_trees(self, y: np.ndarray, held: np.ndarray, corrected: np.ndarray) -> np.ndarray:
-        """Set tree_weight_ (and tree_target_ where it is above 0) from the held rows, given their model means
-        with the correction weight applied (corrected [h], target units); returns how far the blend moves their
-        predictions [h] (target units). The trees learn the targets as the members see them before the linear
-        base: normalised, outliers squeezed (tabfm.numeric_bounds)."""
+    def _weigh_trees(self, y: np.ndarray, folds: list[np.ndarray], corrected: np.ndarray) -> np.ndarray:
+        """Set tree_weight_ (and tree_target_ where it is above 0) from the held rows (those of `folds`, in their
+        order), given their model means with the correction weight applied (corrected [h], target units), each
+        fold predicted by trees fitted on the other train rows; returns how far the blend moves their predictions
+        [h] (target units). The trees learn the targets as the members see them before the linear base:
+        normalised, outliers squeezed (tabfm.numeric_bounds)."""
         scale = self.target_scale_
         target = squeeze_outliers(scale.forward(y))
-        keep = np.setdiff1d(np.arange(len(y)), held)
+        held = np.concatenate(folds)
         base = target[held] - self.y_train_[held]  # the linear base's out-of-fold predictions (y_train_: residuals)
         ours = base + scale.forward(corrected)
-        trees = fit_trees(self.train_cells_.take(keep), target[keep], None, self.tree_seed_).predict(
-            self.train_cells_.take(held))
+        trees = np.concatenate([fit_trees(self.train_cells_.take(np.setdiff1d(np.arange(len(y)), fold)),
+                                          target[np.setdiff1d(np.arange(len(y)), fold)], None, self.tree_seed_)
+                                .predict(self.train_cells_.take(fold)) for fold in folds])
         self.tree_weight_ = calibration.best_tree_weight(ours, trees, target[held])
         if self.tree_weight_ > 0:
             self.tree_target_ = target
@@ -176,16 +179,17 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
     def _tree_targets(self) -> tuple[np.ndarray, None]:
         return self.tree_target_, None
 
-    def _held_rows(self, n: int, n_members: int, rng: np.random.Generator) -> tuple[np.ndarray | None, int]:
-        """(held rows, members that leave them out and predict them) for the calibration; (None, 0) without
-        calibrate or with fewer than 10 rows to hold; 0 members where none can hold them (_TabFMBase._held_members:
-        local contexts with rows to spare, 4+ members): a probe predicts them then."""
+    def _held_rows(self, n: int, n_members: int, rng: np.random.Generator) -> tuple[list[np.ndarray], int]:
+        """_TabFMBase._calibration_folds of a random fifth of the n train rows (calibration.held_out_targets);
+        ([], 0) without calibrate."""
         if not self.calibrate:
-            return None, 0
-        held = calibration.held_out_targets(n, rng)
-        if len(held) < 10:
-            return None, 0
-        return held, self._held_members(n_members, n - len(held))
+            return [], 0
+        return self._calibration_folds(n, calibration.held_out_targets(n, rng), n_members, rng)
+
+    def _probe_outputs(self, held: np.ndarray, rng: np.random.Generator, members: int) -> np.ndarray:
+        """_held_outputs of the rows `held` by a probe of the first `members` members fitted without them."""
+        probe = self._probe(held, rng, members)
+        return probe._cell_outputs(self.train_cells_.take(held), probe._held_outputs())
 
     def _held_outputs(self) -> Any:
         """The finalize of _cell_outputs that calibration reads: [n, 1 + len(SPREAD_LEVELS)] each row's mean, then

@@ -8,9 +8,10 @@ import numpy as np
 from scipy.stats import norm
 from sklearn.metrics import log_loss
 
-from tabfm.calibration import (CALIBRATION_ROWS, SPREAD_LEVELS, SPREADS, TEMPERATURES, best_blend, blend_losses,
-                               calibration_members, correction_weight, held_members,
-                               held_out_rows, held_out_targets, spread_factor, true_class_probabilities)
+from tabfm.calibration import (CALIBRATION_ROWS, CROSS_FIT_FOLDS, CROSS_FIT_ROWS, SPREAD_LEVELS, SPREADS,
+                               TEMPERATURES, best_blend, blend_losses, calibration_members, correction_weight,
+                               cross_fit_folds, cross_fits, held_members, held_out_rows, held_out_targets,
+                               spread_factor, true_class_probabilities)
 
 
 def test_held_out_rows_are_a_stratified_fifth_capped_at_calibration_rows():
@@ -64,6 +65,34 @@ def test_blend_losses_of_several_linear_models_are_each_ones_log_loss():
     for i, j, k in [(0, 0, 0), (1, 17, 3), (2, 40, 9)]:
         blend = (1 - weights[k]) * _softmax(logits, TEMPERATURES[j]) + weights[k] * linears[i]
         assert np.isclose(losses[i, j, k], log_loss(y, blend, labels=range(4)), rtol=1e-12)
+
+
+def test_cross_fitted_folds_hold_every_row_once_in_near_equal_random_folds():
+    folds = cross_fit_folds(103, np.random.default_rng(0))
+    assert len(folds) == CROSS_FIT_FOLDS and all(np.all(np.diff(f) > 0) for f in folds)
+    assert np.array_equal(np.sort(np.concatenate(folds)), np.arange(103))  # every row, in exactly one fold
+    assert sorted(map(len, folds)) == [20, 20, 21, 21, 21]
+    assert not np.array_equal(folds[0], np.arange(len(folds[0])))       # drawn, not the first rows
+    again = cross_fit_folds(103, np.random.default_rng(0))
+    assert all(np.array_equal(a, b) for a, b in zip(folds, again, strict=True))
+
+
+def test_cross_fitted_folds_of_classes_spread_each_class_and_leave_a_single_row_out():
+    y = np.repeat([0, 1, 2, 3, 4], [50, 12, 5, 2, 1])
+    folds = cross_fit_folds(len(y), np.random.default_rng(3), y)
+    held = np.concatenate(folds)
+    assert len(np.unique(held)) == len(held) == len(y) - 1 and not np.isin(np.flatnonzero(y == 4), held).any()
+    counts = np.array([[int((y[f] == c).sum()) for c in range(4)] for f in folds])  # [fold, class]
+    assert (counts.max(0) - counts.min(0) <= 1).all()               # each class dealt evenly over the folds
+    assert counts[:, 3].sum() == 2 and counts[:, 3].max() == 1        # a class of two rows: in two folds
+    for f in folds:                                                   # a held row's class is in its context
+        kept = np.setdiff1d(np.arange(len(y)), f)
+        assert np.isin(y[f], y[kept]).all()
+    assert sorted(map(len, folds)) == [13, 14, 14, 14, 14]
+
+
+def test_tables_cross_fit_up_to_cross_fit_rows_where_each_fold_holds_ten_rows():
+    assert not cross_fits(49) and cross_fits(50) and cross_fits(CROSS_FIT_ROWS) and not cross_fits(CROSS_FIT_ROWS + 1)
 
 
 def test_the_regressor_holds_out_a_random_fifth_capped_at_calibration_rows():

@@ -14,6 +14,7 @@ from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabfm import calibration, estimator, estimator_model, inference
+from tabfm import classifier as classifier_module
 from tabfm.ensemble import class_codes
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.linear_base import LogisticModel
@@ -256,10 +257,13 @@ def test_train_rows_are_encoded_once(monkeypatch):
 
 
 def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
+    """One held-out set (tables past calibration.CROSS_FIT_ROWS: here lowered to 0): one probe on the other rows,
+    its context at most half the train rows but not fewer than CALIBRATION_CONTEXT_ROWS."""
     df, y = mixed_frame(120)
     rows = []
     real = inference.encode_context
     monkeypatch.setattr("tabfm.estimator.encode_context", lambda m, b: rows.append(b.values.shape[1]) or real(m, b))
+    monkeypatch.setattr(calibration, "CROSS_FIT_ROWS", 0)
     # n_jobs=1: one forward per encoding (with more threads each encoding is cut into one forward per thread)
     TabFMClassifier(n_estimators=2, n_jobs=1).fit(df[:100], y[:100])
     held = 100 - rows[0]
@@ -268,6 +272,41 @@ def test_calibration_probe_runs_first_on_at_most_half_the_rows(monkeypatch):
     monkeypatch.setattr(calibration, "CALIBRATION_CONTEXT_ROWS", 10)
     TabFMClassifier(n_estimators=2, n_jobs=1).fit(df[:100], y[:100])
     assert rows == [50, 100]  # the probe's context: half the train rows, as the floor is lower
+
+
+def test_a_small_table_calibrates_every_row_through_cross_fitted_probes(monkeypatch):
+    """On tables of at most calibration.CROSS_FIT_ROWS train rows that need a probe, each of five stratified folds
+    is predicted by a probe fitted on the other folds, and the logistic regression and trees that are weighed
+    against them are fitted without the fold too; the weights are those _fit_temperature picks from every held
+    row."""
+    df, y = mixed_frame(140, seed=3)
+    y_ids = np.unique(y[:120], return_inverse=True)[1]
+    probed, fitted, chosen = [], [], []
+    real_probe, real_trees = TabFMClassifier._probe, classifier_module.fit_trees
+
+    def probe(self, held, rng, members):
+        made = real_probe(self, held, rng, members)
+        probed.append((held, made.y_train_))
+        return made
+
+    real_choice = TabFMClassifier._fit_temperature
+    monkeypatch.setattr(TabFMClassifier, "_fit_temperature", lambda self, logp, folds: chosen.append(
+        (logp, folds, real_choice(self, logp, folds))) or chosen[-1][2])
+    monkeypatch.setattr(TabFMClassifier, "_probe", probe)
+    for module in (classifier_module, estimator):
+        monkeypatch.setattr(module, "fit_trees", lambda cells, y, *a: fitted.append(len(y)) or real_trees(cells, y, *a))
+    clf = TabFMClassifier(n_estimators=4, n_jobs=1).fit(df[:120], y[:120])
+    folds = [held for held, _ in probed]
+    assert len(folds) == calibration.CROSS_FIT_FOLDS
+    assert np.array_equal(np.sort(np.concatenate(folds)), np.arange(120))  # every row predicted once
+    for held, context_y in probed:  # each probe fitted on the rows outside its fold
+        assert len(context_y) == 120 - len(held)
+        assert np.array_equal(np.bincount(context_y, minlength=2) + np.bincount(y_ids[held], minlength=2),
+                              np.bincount(y_ids, minlength=2))
+    assert fitted == [120 - len(f) for f in folds] + [120] * (clf.tree_weight_ > 0)  # then on every row
+    assert [f.tolist() for f in chosen[0][1]] == [f.tolist() for f in folds]
+    assert chosen[0][0].shape == (2, 120, clf.n_groups_)  # the probes' 2 members' predictions of every row
+    assert (clf.temperature_, clf.blend_weight_, clf.tree_weight_) == chosen[0][2][:3]
 
 
 def test_calibration_probe_runs_the_first_members_unless_the_classes_need_all(monkeypatch):
@@ -279,19 +318,20 @@ def test_calibration_probe_runs_the_first_members_unless_the_classes_need_all(mo
     monkeypatch.setattr("tabfm.estimator.encode_context",
                         lambda m, b: tables.append(tuple(b.values.shape[:2])) or real(m, b))
     clf = TabFMClassifier(n_estimators=4, n_jobs=1).fit(df[:100], y[:100])
-    probe_rows = tables[0][1]
-    assert tables == [(calibration.CALIBRATION_MEMBERS, probe_rows), (4, 100)] and probe_rows < 100
+    probe_rows = [rows for _, rows in tables[:-1]]  # each fold's probe (a table of 100 rows cross-fits)
+    assert tables == [(calibration.CALIBRATION_MEMBERS, r) for r in probe_rows] + [(4, 100)]
+    assert len(probe_rows) == calibration.CROSS_FIT_FOLDS and sum(100 - r for r in probe_rows) == 100
     assert 0.2 <= clf.temperature_ <= 3.0
     tables.clear()
     TabFMClassifier(n_jobs=1).fit(df[:100], y[:100])  # "auto": 16 members, calibrated on a quarter of them
-    assert tables == [(4, probe_rows), (16, 100)]
+    assert tables == [(4, r) for r in probe_rows] + [(16, 100)]
     tables.clear()
     rng = np.random.default_rng(0)
     many = rng.integers(0, 12, 120)  # 12 classes, the head has 10
     X = rng.normal(size=(120, 3)) + many[:, None]
     clf = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X, many)
     assert clf.n_members_ > calibration.CALIBRATION_MEMBERS
-    assert [t for t, _ in tables] == [clf.n_members_, clf.n_members_]
+    assert [t for t, _ in tables] == [clf.n_members_] * (calibration.CROSS_FIT_FOLDS + 1)
 
 
 def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeypatch):
@@ -315,7 +355,7 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     held_cells = clf.train_cells_.take(held)
     logp = clf._cell_outputs(held_cells, members=2)
     np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
-    temperature, weight, tree_weight, linear = clf._fit_temperature(logp, held)
+    temperature, weight, tree_weight, linear = clf._fit_temperature(logp, [held])
     assert (clf.temperature_, clf.blend_weight_, clf.tree_weight_) == (temperature, weight, tree_weight)
     assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
     if clf.linear_model_ is not None:  # the view and penalty chosen, refitted on every train row
@@ -337,7 +377,7 @@ def test_the_regressor_weighs_its_correction_on_rows_the_first_members_never_saw
     X, y = rng.normal(size=(900, 4)), rng.normal(size=900)
     kwargs = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
     reg = TabFMRegressor(**kwargs).fit(X[:600], y[:600])
-    held, members = reg._held_rows(600, 4, reg._calibration_rng())
+    (held,), members = reg._held_rows(600, 4, reg._calibration_rng())
     assert members == 2 and len(held) == 120
     for m in range(4):
         assert np.isin(held, reg.context_rows_[reg.context_members_ == m]).any() == (m >= 2)
@@ -391,22 +431,34 @@ def test_the_regressor_scales_its_distributions_by_the_spread_its_held_rows_ask_
         X[:900], y[:900]).spread_ == 1.0
 
 
-def test_a_small_regression_table_calibrates_through_a_probe(monkeypatch):
+def test_a_small_regression_table_calibrates_every_row_through_cross_fitted_probes(monkeypatch):
     """Where no members can leave the held rows out (one context of every train row: tables of up to
-    local_context_rows kept rows), a probe predicts them, as the classifier's does: its contexts are encoded
-    first, then the fit's, and the correction weight, spread factor and trees' weight are fitted from them."""
+    local_context_rows kept rows), probes predict them, as the classifier's do; on a table of at most
+    calibration.CROSS_FIT_ROWS rows every row, fold by fold, each probe fitted on the other folds' rows only. The
+    probes' contexts are encoded first, then the fit's, and the correction weight, spread factor and trees' weight
+    are fitted from them."""
     rng = np.random.default_rng(8)
     X = rng.normal(size=(260, 3))
     y = 2 * (X[:, 0] > 0) + np.sin(2 * X[:, 1]) + 0.2 * rng.normal(size=260)
-    shapes = []
-    real = inference.encode_context
+    shapes, probed = [], []
+    real, real_probe = inference.encode_context, TabFMRegressor._probe
     monkeypatch.setattr("tabfm.estimator.encode_context",
                         lambda m, b: shapes.append(tuple(b.values.shape[:2])) or real(m, b))
+
+    def probe(self, held, rng, members):
+        made = real_probe(self, held, rng, members)
+        probed.append((held, self.train_cells_.values[held, 0], made.train_cells_.values[:, 0]))
+        return made
+
+    monkeypatch.setattr(TabFMRegressor, "_probe", probe)
     reg = TabFMRegressor(n_estimators=4, n_jobs=1).fit(X[:200], y[:200])
-    held, members = reg._held_rows(200, 4, reg._calibration_rng())
-    assert len(held) == 40 and members == 0 and reg.local_ is None
-    assert [rows for _, rows in shapes] == [160, 200]  # the probe's 2 members on the kept rows, then the fit's 4
-    assert [groups for groups, _ in shapes] == [2, 4]
+    folds, members = reg._held_rows(200, 4, reg._calibration_rng())
+    assert [len(f) for f in folds] == [40] * 5 and members == 0 and reg.local_ is None
+    assert np.array_equal(np.sort(np.concatenate([held for held, _, _ in probed])), np.arange(200))
+    for _, held, context in probed:  # each probe's context: every train row but its fold's (values all differ)
+        assert len(context) == 160 and not np.isin(held, context).any()
+    assert [rows for _, rows in shapes] == [160] * 5 + [200]  # the probes' 2 members, then the fit's 4
+    assert [groups for groups, _ in shapes] == [2] * 5 + [4]
     assert reg.spread_ in calibration.SPREADS and 0 <= reg.correction_weight_ <= 1 and reg.tree_weight_ > 0
     plain = TabFMRegressor(n_estimators=4, n_jobs=1, calibrate=False).fit(X[:200], y[:200])
     assert (plain.correction_weight_, plain.spread_, plain.tree_weight_) == (1.0, 1.0, 0.0)
