@@ -102,7 +102,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Fit the softmax temperature on held-out train rows (a stratified 20%, at most 1,000) predicted from the
         other train rows by the first two members (a quarter of 12 or more). With local contexts and at least 4
         members those members' contexts leave the held rows out, at no extra cost; otherwise a probe costs about
-        half of one more encoding of the train rows.
+        half of one more encoding of the train rows, and on tables of at most 500 train rows every row is held
+        instead, in five stratified folds, each predicted by a probe of the other folds (five probes: few held
+        rows choose the weights below noisily; tabfm.calibration.CROSS_FIT_ROWS).
     linear_blend : bool, default=True
         With calibrate, also weigh in a logistic regression: the predicted probabilities are
         (1 - w) * the ensemble's + w * the logistic regression's, w in 0..0.9 chosen with the temperature on the

@@ -66,7 +66,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         (tabfm.calibration.spread_factor; predict is unchanged, predict_quantiles moves). With local contexts and
         at least 4 members the held rows are predicted by members whose contexts leave them out; otherwise (small
         tables, fewer members, one global context) by a probe as the classifier's: the first members fitted on the
-        other rows, half of one more encoding at most.
+        other rows, half of one more encoding at most; there, on tables of at most 500 train rows, every row is
+        held, in five folds each predicted by a probe of the others (tabfm.calibration.CROSS_FIT_ROWS).
     tree_blend : bool, default=True
         With calibrate, also fit gradient-boosted trees (scikit-learn's HistGradientBoostingRegressor) on the
         other train rows and weigh them in: predictions (and quantiles, moved with them) become (1 - v) x the
