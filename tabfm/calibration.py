@@ -122,6 +122,12 @@ def spread_factor(mean: np.ndarray, quantiles: np.ndarray, target: np.ndarray) -
     level's coverage. Ties go to the factor nearest 1."""
     gap = target[:, None] - mean[:, None]                                      # [h, 1]
     spread = quantiles - mean[:, None]                                         # [h, L]
+    # in units of a power of two near their largest size: exact, so the same choice, and a mean of a few hundred
+    # misses near float64's limit (targets of 1e307) does not overflow
+    largest = max(float(np.max(np.abs(gap), initial=0.0)), float(np.max(np.abs(spread), initial=0.0)))
+    if 0.0 < largest < np.inf:
+        unit = np.ldexp(1.0, int(np.frexp(largest)[1]))
+        gap, spread = gap / unit, spread / unit
     losses = []
     for s in SPREADS:
         miss = gap - s * spread

@@ -137,3 +137,17 @@ def test_the_spread_factor_is_the_one_that_makes_the_quantiles_right():
     assert spread_factor(mean, quantiles, mean + 5 * rng.normal(size=4000)) == SPREADS.max() == 2.0
     assert spread_factor(mean, quantiles, mean) == SPREADS.min() == 0.5
     assert spread_factor(mean, np.repeat(mean[:, None], len(SPREAD_LEVELS), 1), mean + 1.0) == 1.0  # no spread: tie
+
+
+def test_the_spread_factor_does_not_depend_on_the_targets_unit_and_survives_targets_near_float64s_limit():
+    """The pinball loss's minimum does not move with the unit: the same factor for targets in any unit, also where
+    the misses of a few hundred rows summed past float64's limit (targets of 1e307 once gave an overflow)."""
+    rng = np.random.default_rng(1)
+    mean = rng.normal(size=400)
+    quantiles = mean[:, None] + 1.3 * norm.ppf(SPREAD_LEVELS)[None]
+    target = mean + rng.normal(size=400)
+    chosen = spread_factor(mean, quantiles, target)
+    assert 0.7 < chosen < 0.85
+    with np.errstate(all="raise"):
+        for unit in (1e-3, 3.0, 1e150, 1e306):
+            assert spread_factor(mean * unit, quantiles * unit, target * unit) == chosen, unit
