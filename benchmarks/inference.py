@@ -248,7 +248,7 @@ def one_row_after_load(log: Log, data: tuple, fit_predict_s: float, repeats: int
         loaded.predict_proba(X_test[i + 1:i + 2])
         times.append(time.perf_counter() - t0)
     one_s = float(np.median(times))
-    refit = " (the trees fitted again)" if loaded.tree_model_ is not None else ""
+    refit = " (the trees read from trees.skops)" if loaded.tree_model_ is not None else ""
     log(f"after save and load (n_jobs=1): load {load_s:.3f} s{refit}, one row predicted in "
         f"{1e3 * one_s:.1f} ms (median of {repeats}), {fit_predict_s / one_s:.0f}x faster than the default's fit + "
         f"predict")

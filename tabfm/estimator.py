@@ -503,8 +503,8 @@ class _TabFMBase(BaseEstimator):
     checkpoint on first use, as scikit-learn and TabICL do."""
 
     _REFITTED_AT_LOAD = ("tree_model_",)
-    """Fitted attributes that `save` leaves out and `load` fits again from what it keeps (the trees: scikit-learn's
-    models have no format but pickle); pickling keeps them."""
+    """Fitted attributes that `save` leaves out of its JSON: the trees, written to their own file with skops
+    (tabfm.persist), or fitted again at load from what the JSON keeps; pickling keeps them."""
 
     def _draw_tree_seed(self) -> int:
         """The trees' random_state (tabfm.tree_base): the fit's seed folded into 32 bits, or one drawn where the fit

@@ -1,14 +1,17 @@
 """Save a fitted estimator to a folder and load it back without re-encoding its train rows; nothing is pickled.
 
-A saved estimator is a folder of two files:
+A saved estimator is a folder of two or three files:
 
     estimator.json       format version, class, versions, get_params(), and every fitted attribute as JSON; an
                          array or tensor is a reference {"kind": "ndarray" | "tensor", "name": ...} into
     arrays.safetensors   every numeric array and tensor: the train cells, the members' column orders, the regressor's
                          mapped bins, each context's statistics and the keys/values of every KVCache
+    trees.skops          where the trees have a weight: the fitted trees (tabfm.tree_base.tree_bytes), read back
+                         only as trusted types and only under the scikit-learn that wrote them (else fitted again)
 
 A folder rather than one file: the JSON can be read (and diffed) with any tool, the arrays with any safetensors
-reader, and a damaged part is named. Each array's SHA-256 is in the JSON, and the JSON's in the safetensors header,
+reader, and a damaged part is named. Each array's SHA-256 is in the JSON (the trees file's too), and the JSON's in
+the safetensors header,
 so that a flipped bit anywhere is refused at load instead of moving predictions (folders saved before the digests
 load unchecked). The folder is written beside its destination and renamed into place, so a
 failed save leaves nothing behind and an earlier save at the same path intact.
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from tabfm.out_paths import private_name
+from tabfm.tree_base import tree_bytes, trees_from_bytes
 
 FORMAT_VERSION = 3
 """2: contexts per member may be local (context_members_, local_); version 1 files are refused.
@@ -44,6 +48,7 @@ dtype="bfloat16" (bfloat16 weights), which are refused: refit them with precisio
 READABLE_VERSIONS = (2, FORMAT_VERSION)
 META_FILE = "estimator.json"
 ARRAYS_FILE = "arrays.safetensors"
+TREES_FILE = "trees.skops"
 JSON_DIGEST = "estimator_json_sha256"
 """The key of the JSON's SHA-256 in the safetensors header's metadata."""
 
@@ -257,19 +262,23 @@ def save_estimator(est: Any, path: str | Path) -> None:
     path = Path(path).expanduser()  # "~/model" as a shell would read it, not a folder named "~"
     if path.is_symlink():  # a link to a saved estimator: replace what it points to and keep the link
         path = path.resolve()
-    if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE}):
+    if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE,
+                                                                                    TREES_FILE}):
         raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
     if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
         est._encode_contexts()
     params = _plain_params(est)
     encoder = _Encoder()
-    left_out = (*est._UNSTORED, *est._REFITTED_AT_LOAD)  # no model; no trees (fitted again at load)
+    left_out = (*est._UNSTORED, *est._REFITTED_AT_LOAD)  # no model; the trees in their own file
     attributes = {k: v for k, v in vars(est).items() if k not in params and k not in left_out}
     meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
             "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
             "attributes": encoder.encode(attributes, "")}
     meta["arrays"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                              "sha256": _digest(t)} for name, t in encoder.arrays.items()}
+    trees = tree_bytes(est.tree_model_) if getattr(est, "tree_model_", None) is not None else None
+    if trees is not None:
+        meta["trees"] = {"file": TREES_FILE, "sha256": hashlib.sha256(trees).hexdigest()}
     text = json.dumps(meta, indent=1, allow_nan=False)
     tmp = private_name(path, "tmp")
     try:
@@ -283,6 +292,8 @@ def save_estimator(est: Any, path: str | Path) -> None:
         (tmp / META_FILE).write_bytes(data)
         save_file(encoder.arrays, str(tmp / ARRAYS_FILE), metadata={
             "format_version": str(FORMAT_VERSION), JSON_DIGEST: hashlib.sha256(data).hexdigest()})
+        if trees is not None:
+            (tmp / TREES_FILE).write_bytes(trees)
         _replace_folder(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -454,6 +465,30 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
     from tabfm.validation import torch_threads
 
-    with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
-        est._fit_tree_model()
+    if not _read_trees(est, folder, meta):
+        with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
+            est._fit_tree_model()
     return est
+
+
+def _read_trees(est: Any, folder: Path, meta: dict[str, Any]) -> bool:
+    """Set est.tree_model_ from the saved trees file; False where there is none (saved before the file existed,
+    or the trees have no weight) or it was written by another scikit-learn (their models are then fitted again,
+    the same for a seed under this one). A file that is not the one saved, or holds anything but trees, is
+    refused."""
+    entry = meta.get("trees")
+    if entry is None or getattr(est, "tree_weight_", 0.0) <= 0 or meta.get("sklearn_version") != _sklearn_version():
+        return False
+    if not isinstance(entry, dict) or entry.get("file") != TREES_FILE or not isinstance(entry.get("sha256"), str):
+        raise ValueError(f"cannot load {str(folder)!r}: {META_FILE} is damaged (its trees entry is {entry!r}); save "
+                         "the estimator again")
+    data = _inside(folder, TREES_FILE).read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"{TREES_FILE} in {str(folder)!r} is not the file saved with {META_FILE} (its SHA-256 "
+                         "differs): the saved estimator was changed or damaged; save it again")
+    try:
+        est.tree_model_ = trees_from_bytes(data, est._tree_targets()[1])
+    except ValueError as e:
+        raise ValueError(f"cannot load {str(folder)!r}: {TREES_FILE} is damaged: {e}; save the estimator "
+                         "again") from None
+    return True

@@ -1,5 +1,5 @@
 """tabfm.tree_base and the estimators' tree blend: gradient-boosted trees weighed into the predictions where the
-held-out train rows prefer them, fitted again at load."""
+held-out train rows prefer them, saved with skops and read back at load."""
 
 import pickle
 
@@ -10,7 +10,7 @@ from sklearn.metrics import log_loss, r2_score
 
 from tabfm import TabFMClassifier, TabFMRegressor, calibration
 from tabfm.preprocess import TablePreprocessor
-from tabfm.tree_base import MAX_TREE_CATEGORIES, fit_trees, tree_design
+from tabfm.tree_base import MAX_TREE_CATEGORIES, fit_trees, tree_bytes, tree_design
 
 FAST = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
 
@@ -129,7 +129,10 @@ def test_regressor_weighs_in_the_trees_and_moves_its_quantiles_with_its_mean():
 
 
 @pytest.mark.parametrize("random_state", [0, None])
-def test_save_leaves_the_trees_out_and_load_fits_the_same_ones(tmp_path, random_state):
+def test_save_writes_the_trees_and_load_reads_them_without_fitting(tmp_path, random_state, monkeypatch):
+    """The trees go to trees.skops (not the JSON), and load reads them back: the same predictions, no fit."""
+    from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
     X, y = _steps(300, seed=3)
     clf = TabFMClassifier(**FAST, random_state=random_state).fit(X[:250], y[:250])
     assert clf.tree_weight_ > 0
@@ -137,17 +140,79 @@ def test_save_leaves_the_trees_out_and_load_fits_the_same_ones(tmp_path, random_
     assert "tree_model" not in (tmp_path / "clf" / "estimator.json").read_text()
     without = TabFMClassifier(**FAST, tree_blend=False).fit(X[:250], y[:250])
     without.save(tmp_path / "without")
+    assert not (tmp_path / "without" / "trees.skops").exists()
     assert TabFMClassifier.load(tmp_path / "without").tree_model_ is None  # as fit left it
-    back = TabFMClassifier.load(tmp_path / "clf")
-    assert back.tree_model_ is not None and back.tree_model_ is not clf.tree_model_
-    np.testing.assert_array_equal(back.predict_proba(X[250:]), clf.predict_proba(X[250:]))
-    np.testing.assert_array_equal(pickle.loads(pickle.dumps(clf)).predict_proba(X[250:]), clf.predict_proba(X[250:]))
     Xr, yr = _step_target(300, seed=3)
     reg = TabFMRegressor(**FAST, random_state=random_state).fit(Xr[:250], yr[:250])
     assert reg.tree_weight_ > 0
     reg.save(tmp_path / "reg")
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("load fitted the trees again")
+
+    monkeypatch.setattr(HistGradientBoostingClassifier, "fit", no_fit)
+    monkeypatch.setattr(HistGradientBoostingRegressor, "fit", no_fit)
+    back = TabFMClassifier.load(tmp_path / "clf")
+    assert back.tree_model_ is not None and back.tree_model_ is not clf.tree_model_
+    np.testing.assert_array_equal(back.predict_proba(X[250:]), clf.predict_proba(X[250:]))
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(clf)).predict_proba(X[250:]), clf.predict_proba(X[250:]))
     back = TabFMRegressor.load(tmp_path / "reg")
     np.testing.assert_array_equal(back.predict_quantiles(Xr[250:]), reg.predict_quantiles(Xr[250:]))
+    clf.save(tmp_path / "reg2")  # a saved estimator with trees is replaced by another save at its path
+    reg.save(tmp_path / "reg2")
+    np.testing.assert_array_equal(TabFMRegressor.load(tmp_path / "reg2").predict(Xr[250:]), reg.predict(Xr[250:]))
+
+
+def test_load_under_another_scikit_learn_fits_the_same_trees_again(tmp_path, monkeypatch):
+    from tabfm import persist
+
+    X, y = _steps(300, seed=3)
+    clf = TabFMClassifier(**FAST).fit(X[:250], y[:250])
+    clf.save(tmp_path / "clf")
+    monkeypatch.setattr(persist, "_sklearn_version", lambda: "0.0.0")
+    with pytest.warns(UserWarning, match="saved with scikit-learn"):
+        back = TabFMClassifier.load(tmp_path / "clf")
+    np.testing.assert_array_equal(back.predict_proba(X[250:]), clf.predict_proba(X[250:]))
+
+
+def test_a_changed_trees_file_is_refused(tmp_path):
+    X, y = _steps(300, seed=3)
+    TabFMClassifier(**FAST).fit(X[:250], y[:250]).save(tmp_path / "clf")
+    trees = tmp_path / "clf" / "trees.skops"
+    data = bytearray(trees.read_bytes())
+    data[len(data) // 2] ^= 1
+    trees.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="trees.skops in .* is not the file saved with estimator.json"):
+        TabFMClassifier.load(tmp_path / "clf")
+    trees.unlink()
+    with pytest.raises(ValueError, match="trees.skops is missing"):
+        TabFMClassifier.load(tmp_path / "clf")
+
+
+def test_trees_are_read_back_only_as_the_trusted_tree_types():
+    """trees_from_bytes refuses skops data naming any other type (nothing of it is built), another model, and
+    bytes that are not skops'."""
+    import os
+
+    import skops.io
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import FunctionTransformer
+
+    from tabfm.tree_base import trees_from_bytes
+
+    X, y = _steps(200, seed=1)
+    with pytest.raises(ValueError, match=r"name types tabfm does not write \(posix.system\)"):
+        trees_from_bytes(skops.io.dumps(FunctionTransformer(os.system)), 2)
+    with pytest.raises(ValueError, match="hold a LogisticRegression, not a HistGradientBoostingClassifier"):
+        trees_from_bytes(skops.io.dumps(LogisticRegression().fit(X, y)), 2)
+    with pytest.raises(ValueError, match="not readable skops data"):
+        trees_from_bytes(b"not a zip", 2)
+    cells = TablePreprocessor().fit(pd.DataFrame(X)).transform(pd.DataFrame(X))
+    trees = fit_trees(cells, y, 2, seed=0)
+    back = trees_from_bytes(tree_bytes(trees), 2)
+    np.testing.assert_array_equal(back.predict_proba(cells), trees.predict_proba(cells))
+    with pytest.raises(ValueError, match="not a HistGradientBoostingRegressor"):
+        trees_from_bytes(tree_bytes(trees), None)
 
 
 def test_trees_run_on_the_estimators_threads(monkeypatch):
@@ -168,14 +233,14 @@ def test_trees_run_on_the_estimators_threads(monkeypatch):
     assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
 
 
-def test_the_speed_benchmark_times_one_row_after_load_with_the_trees_fitted_again():
+def test_the_speed_benchmark_times_one_row_after_load_with_the_trees_read_back():
     from builders import benchmark_module
 
     bench = benchmark_module("inference")
     log = bench.Log()
     X, y = _steps(400, seed=1)  # the default gives the trees a weight here
     bench.one_row_after_load(log, (X[:350], y[:350], X[350:], y[350:]), fit_predict_s=10.0, repeats=3)
-    assert "the trees fitted again" in log.lines[0] and "median of 3" in log.lines[0]
+    assert "the trees read from trees.skops" in log.lines[0] and "median of 3" in log.lines[0]
     assert log.lines[1].startswith("target: one row predicted by a loaded estimator under 50 ms: M")
 
 
