@@ -192,13 +192,14 @@ class _TabFMBase(BaseEstimator):
         leave them out of their local contexts and predict them) of n train rows, given `held`, the one set drawn
         for it: that set where members can hold it (_held_members); otherwise probes predict the rows, and on
         tables of at most calibration.CROSS_FIT_ROWS train rows, where one set is a few dozen rows, every row
-        instead, in folds (calibration.cross_fit_folds, stratified by class ids `classes`). ([], 0) where fewer
-        than calibration.MIN_HELD_ROWS would be held. Why not cross-fit every small table: where members hold the
-        rows there is no second encoding to pay for, and on the 56 tables the folds gained where a probe runs
-        anyway (docs/accuracy.md)."""
-        if len(held) < calibration.MIN_HELD_ROWS:
+        instead, in folds (calibration.cross_fit_folds, stratified by class ids `classes`). ([], 0) where none is
+        drawn (calibrate=False), or fewer than calibration.MIN_HELD_ROWS would be held and the table is not
+        cross-fitted (a fuzzer's 50-row tables of 26 and 24 rows drew 9 and went uncalibrated). Why not cross-fit
+        every small table: where members hold the rows there is no second encoding to pay for, and on the 56
+        tables the folds gained where a probe runs anyway (docs/accuracy.md)."""
+        if not len(held) or (len(held) < calibration.MIN_HELD_ROWS and not calibration.cross_fits(n)):
             return [], 0
-        members = self._held_members(n_members, n - len(held))
+        members = self._held_members(n_members, n - len(held)) if len(held) >= calibration.MIN_HELD_ROWS else 0
         if members or not calibration.cross_fits(n):
             return [held], members
         return calibration.cross_fit_folds(n, rng, classes), 0

@@ -308,7 +308,9 @@ class LogisticModel:
         with warnings.catch_warnings():  # "more classes than half the rows ... a regression problem?": the
             warnings.filterwarnings("ignore", "The number of unique classes", UserWarning)  # classes are given
             lr.fit(design(cells), y)
-        return cls(design, np.asarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
+        # row-major as save writes it back: scikit-learn's multinomial coef_ is column-major, and a product with the
+        # other layout rounds differently (a fuzzer's loaded estimator moved probabilities by 1e-16)
+        return cls(design, np.ascontiguousarray(lr.coef_, np.float64), np.asarray(lr.intercept_, np.float64),
                    np.asarray(lr.classes_, np.int64), n_classes)
 
     def predict_proba(self, cells) -> np.ndarray:

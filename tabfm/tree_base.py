@@ -54,6 +54,9 @@ def _tree_threads() -> Iterator[None]:
 def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> TreeModel:
     """Trees fitted on the cells' rows: class ids y 0..n_classes-1, or real targets y with n_classes None."""
     X, categorical = tree_design(cells)
+    # a numeric column with no value in these rows (a fold without a column's only value, or the one placeholder
+    # column of a table of constant columns) fails scikit-learn's binning: as one constant value it is never split
+    X[:, np.isnan(X).all(0) & ~categorical] = 0.0
     # early_stopping off: scikit-learn's "auto" turns it on past 10,000 rows, with a validation split stratified
     # by class that fails on a class of one row (always among the kept rows), and would make the trees of the
     # held rows and the final ones differ in kind
