@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from tabfm.out_paths import private_name
-from tabfm.tree_base import tree_bytes, trees_from_bytes
+from tabfm.tree_io import tree_bytes, trees_from_bytes
 
 FORMAT_VERSION = 3
 """2: contexts per member may be local (context_members_, local_); version 1 files are refused.
@@ -256,17 +256,22 @@ def save_estimator(est: Any, path: str | Path) -> None:
     import tabfm
 
     check_is_fitted(est, "preprocessor_")
+    est._validate_params()  # as load will check them: a folder load refuses is never written
     if est.tensor_parallel is not None and tuple(est.tensor_parallel) != (1, 1):
         raise ValueError("cannot save an estimator fitted with tensor_parallel (each rank holds only its share of "
                          "the caches): fit it with tensor_parallel=None to save it")
-    path = Path(path).expanduser()  # "~/model" as a shell would read it, not a folder named "~"
+    path = Path(path).expanduser().absolute()  # "~/model" as a shell reads it; "." by its name
     if path.is_symlink():  # a link to a saved estimator: replace what it points to and keep the link
         path = path.resolve()
-    if path.exists() and not (path.is_dir() and {p.name for p in path.iterdir()} <= {META_FILE, ARRAYS_FILE,
-                                                                                    TREES_FILE}):
+    if path.exists() and not (path.is_dir() and all(
+            p.name in (META_FILE, ARRAYS_FILE, TREES_FILE) and p.is_file() and not p.is_symlink()
+            for p in path.iterdir())):  # names alone once let a folder named trees.skops be replaced
         raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
     if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
-        est._encode_contexts()
+        from tabfm.validation import torch_threads
+
+        with torch_threads(est.n_jobs):  # as predict would: the forwards' split follows the thread count
+            est._encode_contexts()
     params = _plain_params(est)
     encoder = _Encoder()
     left_out = (*est._UNSTORED, *est._REFITTED_AT_LOAD)  # no model; the trees in their own file
@@ -487,7 +492,7 @@ def _read_trees(est: Any, folder: Path, meta: dict[str, Any]) -> bool:
         raise ValueError(f"{TREES_FILE} in {str(folder)!r} is not the file saved with {META_FILE} (its SHA-256 "
                          "differs): the saved estimator was changed or damaged; save it again")
     try:
-        est.tree_model_ = trees_from_bytes(data, est._tree_targets()[1])
+        est.tree_model_ = trees_from_bytes(data, est._tree_targets()[1], est.train_cells_.values.shape[1])
     except ValueError as e:
         raise ValueError(f"cannot load {str(folder)!r}: {TREES_FILE} is damaged: {e}; save the estimator "
                          "again") from None

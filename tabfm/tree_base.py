@@ -12,10 +12,10 @@ rows; then on every train row) beside a CPU fit of the model.
 
 The trees read the preprocessed cells (tabfm.preprocess.Cells): numeric values as they are (NaN where missing),
 category codes as categories (missing and unseen codes as NaN), or as ordered numbers in a column of more
-categories than the trees bin natively. `save` writes the fitted trees with skops (tree_bytes: scikit-learn's
-own objects without pickle, read back only as the types in TRUSTED_TREE_TYPES), so that `load` does not fit them
-again (0.2-0.4 s on 1,000 rows, seconds on many classes); where the scikit-learn at load is not the one that
-saved them, `load` fits them again from the saved train cells and seed instead: the same trees for that version.
+categories than the trees bin natively. `save` writes the fitted trees with skops (tabfm.tree_io), so that
+`load` does not fit them again (0.2-0.4 s on 1,000 rows, seconds on many classes); where the scikit-learn at load
+is not the one that saved them, `load` fits them again from the saved train cells and seed instead: the same
+trees for that version.
 """
 
 from __future__ import annotations
@@ -67,39 +67,6 @@ def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> 
         model = HistGradientBoostingClassifier(**options)
     with _tree_threads():
         return TreeModel(model.fit(X, y), n_classes)
-
-
-TRUSTED_TREE_TYPES = ("functools.partial", "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
-                      "sklearn.utils.validation.check_array")
-"""The types beyond skops' own defaults that fitted HistGradientBoosting models hold, and all that trees_from_bytes
-accepts (skops rebuilds only the types it is told to trust: no code runs that tabfm did not name)."""
-
-
-def tree_bytes(trees: TreeModel) -> bytes:
-    """The fitted trees in skops' format (a zip of JSON and numpy arrays; no pickle)."""
-    import skops.io
-
-    return skops.io.dumps(trees.model)
-
-
-def trees_from_bytes(data: bytes, n_classes: int | None) -> TreeModel:
-    """The trees tree_bytes wrote, for class ids 0..n_classes-1 or real targets (None); ValueError where the data
-    is not skops', names a type outside TRUSTED_TREE_TYPES, or holds another kind of model."""
-    import skops.io
-
-    expected = HistGradientBoostingRegressor if n_classes is None else HistGradientBoostingClassifier
-    try:
-        untrusted = sorted(set(skops.io.get_untrusted_types(data=data)) - set(TRUSTED_TREE_TYPES))
-        if untrusted:
-            raise ValueError(f"they name types tabfm does not write ({', '.join(untrusted[:3])})")
-        model = skops.io.loads(data, trusted=list(TRUSTED_TREE_TYPES))
-    except ValueError:
-        raise
-    except Exception as e:  # skops' and zipfile's own errors for a garbled file
-        raise ValueError(f"they are not readable skops data ({type(e).__name__}: {e})") from None
-    if type(model) is not expected:
-        raise ValueError(f"they hold a {type(model).__name__}, not a {expected.__name__}")
-    return TreeModel(model, n_classes)
 
 
 class TreeModel:

@@ -20,6 +20,7 @@ from tabfm import estimator as estimator_module
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.estimator_model import DEFAULT_CHECKPOINT
 from tabfm.persist import ARRAYS_FILE, FORMAT_VERSION, JSON_DIGEST, META_FILE, _Decoder, _Encoder
+from tabfm.validation import torch_threads
 
 
 def table(n: int, seed: int = 0) -> pd.DataFrame:
@@ -483,3 +484,45 @@ def test_weights_from_a_checkpoint_folder_are_named_by_its_manifest(tmp_path):
     ckpt.save_checkpoint(folder, tiny_model(seed=2).float())
     with pytest.raises(ValueError, match="which now names other weights"):
         TabFMClassifier.load(tmp_path / "clf")
+
+
+def test_an_unpickled_estimator_saves_the_caches_its_own_threads_give(tmp_path):
+    """A fuzzer's finding: save encoded an unpickled estimator's contexts on the process's threads, not n_jobs's,
+    so the forwards split differently and the loaded regressor moved its predictions by 3e-9."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 5))
+    y = X[:, 0] * 3 + np.sin(X[:, 1] * 3) + rng.normal(size=300) * 0.3
+    reg = TabFMRegressor(n_jobs=1, random_state=7).fit(X, y)
+    with torch_threads(2):  # the process's threads, as a script's default
+        pickle.loads(pickle.dumps(reg)).save(tmp_path / "reg")
+    np.testing.assert_array_equal(TabFMRegressor.load(tmp_path / "reg").predict(X[:30]), reg.predict(X[:30]))
+
+
+def test_save_refuses_parameters_load_would_refuse(fitted_classifier, tmp_path):
+    """A fuzzer's finding: batch_size=0 set after fit was saved, and the folder then refused at load."""
+    odd = copy.copy(fitted_classifier[0])
+    odd.set_params(batch_size=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        odd.save(tmp_path / "odd")
+    assert not (tmp_path / "odd").exists()
+
+
+def test_a_folder_holding_a_folder_of_an_estimator_file_s_name_is_not_replaced(fitted_classifier, tmp_path):
+    """A fuzzer's finding: the check read names only, so a folder holding a folder named trees.skops (with the
+    user's files in it) was replaced by a save."""
+    path = tmp_path / "mine"
+    (path / "trees.skops").mkdir(parents=True)
+    (path / "trees.skops" / "precious.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="exists and is not a saved estimator"):
+        fitted_classifier[0].save(path)
+    assert (path / "trees.skops" / "precious.txt").read_text() == "keep me"
+
+
+def test_save_to_the_current_folder_by_a_dot(fitted_classifier, tmp_path, monkeypatch):
+    """A fuzzer's finding: est.save('.') failed in pathlib ('.' has an empty name)."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    clf, X_test = fitted_classifier
+    clf.save(".")
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "here").predict_proba(X_test),
+                                  clf.predict_proba(X_test))

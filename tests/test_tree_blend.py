@@ -10,7 +10,7 @@ from sklearn.metrics import log_loss, r2_score
 
 from tabfm import TabFMClassifier, TabFMRegressor, calibration
 from tabfm.preprocess import TablePreprocessor
-from tabfm.tree_base import MAX_TREE_CATEGORIES, fit_trees, tree_bytes, tree_design
+from tabfm.tree_base import MAX_TREE_CATEGORIES, fit_trees, tree_design
 
 FAST = dict(n_estimators=4, local_context_rows=64, n_jobs=1)
 
@@ -187,32 +187,6 @@ def test_a_changed_trees_file_is_refused(tmp_path):
     trees.unlink()
     with pytest.raises(ValueError, match="trees.skops is missing"):
         TabFMClassifier.load(tmp_path / "clf")
-
-
-def test_trees_are_read_back_only_as_the_trusted_tree_types():
-    """trees_from_bytes refuses skops data naming any other type (nothing of it is built), another model, and
-    bytes that are not skops'."""
-    import os
-
-    import skops.io
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import FunctionTransformer
-
-    from tabfm.tree_base import trees_from_bytes
-
-    X, y = _steps(200, seed=1)
-    with pytest.raises(ValueError, match=r"name types tabfm does not write \(posix.system\)"):
-        trees_from_bytes(skops.io.dumps(FunctionTransformer(os.system)), 2)
-    with pytest.raises(ValueError, match="hold a LogisticRegression, not a HistGradientBoostingClassifier"):
-        trees_from_bytes(skops.io.dumps(LogisticRegression().fit(X, y)), 2)
-    with pytest.raises(ValueError, match="not readable skops data"):
-        trees_from_bytes(b"not a zip", 2)
-    cells = TablePreprocessor().fit(pd.DataFrame(X)).transform(pd.DataFrame(X))
-    trees = fit_trees(cells, y, 2, seed=0)
-    back = trees_from_bytes(tree_bytes(trees), 2)
-    np.testing.assert_array_equal(back.predict_proba(cells), trees.predict_proba(cells))
-    with pytest.raises(ValueError, match="not a HistGradientBoostingRegressor"):
-        trees_from_bytes(tree_bytes(trees), None)
 
 
 def test_trees_run_on_the_estimators_threads(monkeypatch):
