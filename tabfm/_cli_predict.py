@@ -180,7 +180,7 @@ def load_train(args: argparse.Namespace):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)
     if args.target not in train.columns:
-        raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(train.columns)}")
+        raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(map(repr, train.columns))}")
     table_io.check_finite(train, str(args.train))  # before rows are left out: its row numbers are the file's
     target = train.get_column(args.target)
     labelled = target.is_not_null()

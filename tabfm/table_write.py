@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tabfm.out_paths import file_in_the_way
 from tabfm.table_io import TableError, _first_line
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ def check_output(path: str | None, inputs: Iterable[str | Path] = (), overwrite:
     if p.is_dir():
         raise TableError(f"{path}: is a folder; give a file name such as {p / 'predictions.csv'}")
     folder = p.parent
+    blocker = file_in_the_way(p)
+    if blocker is not None:
+        raise TableError(f"{path}: {blocker} is a file, not a folder; choose an output path in a folder")
     if not folder.is_dir():
         raise TableError(f"{path}: folder {folder} does not exist; create it first")
     if not os.access(folder, os.W_OK):

@@ -26,6 +26,7 @@ def test_check_output_refuses_before_any_work(tmp_path):
         (tmp_path / "p.xlsx", "cannot write a table with extension '.xlsx'; name it .csv, .tsv or .parquet"),
         (tmp_path / "preds", "cannot write a table with no extension"),
         (tmp_path / "no" / "p.csv", f"folder {tmp_path / 'no'} does not exist; create it first"),
+        (tmp_path / "train.csv" / "p.csv", f"{tmp_path / 'train.csv'} is a file, not a folder"),  # a fuzzer's
         (tmp_path / "dir.csv", "is a folder"),
         (tmp_path / "sub" / ".." / "train.csv", "is the input table"),
         (tmp_path / "link.csv", "is the input table"),
