@@ -6,8 +6,9 @@ A saved estimator is a folder of two or three files:
                          array or tensor is a reference {"kind": "ndarray" | "tensor", "name": ...} into
     arrays.safetensors   every numeric array and tensor: the train cells, the members' column orders, the regressor's
                          mapped bins, each context's statistics and the keys/values of every KVCache
-    trees.skops          where the trees have a weight: the fitted trees (tabfm.tree_base.tree_bytes), read back
-                         only as trusted types and only under the scikit-learn that wrote them (else fitted again)
+    trees.skops          where the trees have a weight: the fitted trees (tabfm.tree_io: skops, read back only as
+                         trusted types, then checked), and only under the scikit-learn that wrote them (else fitted
+                         again)
 
 A folder rather than one file: the JSON can be read (and diffed) with any tool, the arrays with any safetensors
 reader, and a damaged part is named. Each array's SHA-256 is in the JSON (the trees file's too), and the JSON's in
