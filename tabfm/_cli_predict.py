@@ -88,6 +88,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the weights' dtype (default: float32; bfloat16 compute is --precision bf16)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="bf16: bfloat16 autocast over float32 weights; auto (default): bf16 on CUDA, fp32 elsewhere")
+    p.add_argument("--n-jobs", type=int, default=None, metavar="N",
+                   help="CPU threads of the model and the work between its forwards (the estimators' n_jobs; -1: "
+                   "every core; default: torch's count); under --nproc / --data-parallel, each process's")
     p.add_argument("--nproc", type=int, default=1, help="processes (torchrun) to shard the model over")
     p.add_argument("--layout", type=parse_layout, default=None,
                    help="tensor-parallel mesh d0xd1 for --nproc (default: nproc x 1)")
@@ -380,7 +383,7 @@ def fit(args: argparse.Namespace, X, y, task: str):
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp = (args.layout or (world, 1)) if world > 1 and args.data_parallel == 1 else None
     kwargs = dict(n_estimators=args.n_estimators, local_context_rows=args.local_context_rows or None,
-                  checkpoint=args.checkpoint, batch_size=args.batch_size,
+                  checkpoint=args.checkpoint, batch_size=args.batch_size, n_jobs=args.n_jobs,
                   device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
                   categorical_features=_categorical_columns(args) or "auto")
@@ -425,6 +428,8 @@ def _predict(args: argparse.Namespace) -> int:
             return _fail(f"{flag} must be at least 1, got {value}")
     if args.local_context_rows < 0 or args.local_context_rows == 1:
         return _fail(f"--local-context-rows must be 0 (one context) or at least 2, got {args.local_context_rows}")
+    if args.n_jobs is not None and args.n_jobs < 1 and args.n_jobs != -1:
+        return _fail(f"--n-jobs must be at least 1, or -1 for every core, got {args.n_jobs}")
     if args.nproc > 1 and args.data_parallel > 1:
         return _fail(f"--nproc {args.nproc} splits the model, --data-parallel {args.data_parallel} the test rows; "
                      "choose one")

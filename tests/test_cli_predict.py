@@ -214,6 +214,7 @@ def test_infer_task_counts_distinct_values_whole_or_not(values, task):
     (["--target", "label", "--task", "regression"], "the target 'label' holds text (e.g. 'yes'), and a regression "
      "needs numbers: use --task classification"),
     (["--target", "label", "--categorical", "c,label"], "--categorical names the target 'label'"),
+    (["--target", "label", "--n-jobs", "0"], "--n-jobs must be at least 1, or -1 for every core, got 0"),
 ])
 def test_predict_errors(tables, capsys, args, message):
     base = {"--train": str(tables / "train.csv"), "--test": str(tables / "test.csv")}
@@ -610,3 +611,21 @@ def test_integer_labels_stay_integers_and_predict_warnings_are_the_cli_s_lines(t
     err = capsys.readouterr().err
     assert "tabfm predict: warning: categorical columns hold mostly values never seen at fit" in err
     assert "UserWarning" not in err and ".py:" not in err
+
+
+def test_n_jobs_reaches_the_estimator(tables, monkeypatch):
+    """--n-jobs is the estimators' n_jobs: the threads of a shared machine's share (a fuzzer found no way to set
+    them but OMP_NUM_THREADS)."""
+    from tabfm.estimator import TabFMClassifier
+
+    seen = []
+    real = TabFMClassifier.fit
+
+    def spy(self, X, y):
+        seen.append(self.n_jobs)
+        return real(self, X, y)
+
+    monkeypatch.setattr(TabFMClassifier, "fit", spy)
+    argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
+            "--n-estimators", "1", "--n-jobs", "1", "-o", str(tables / "jobs.csv")]
+    assert main(argv) == 0 and seen == [1]
