@@ -74,6 +74,9 @@ def config_from_dict(d: Any, where: str) -> ModelConfig:
     """ModelConfig from untrusted data: any problem is one ValueError naming `where`."""
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be a JSON object of model settings, got {type(d).__name__}")
+    if "preset" in d:  # a path the config loader would open: never one a file names (to_dict writes none)
+        raise ValueError(f"{where} names a preset ({reprlib.repr(d['preset'])}); a checkpoint's model settings are "
+                         "written out whole, never as a preset: the checkpoint is damaged or not tabfm's")
     try:
         return ModelConfig.from_dict(d)
     except (TypeError, ValueError) as e:
@@ -203,6 +206,8 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
         raise ValueError(f"{path} holds the non-number {e}; {_DAMAGED}") from None
     except RecursionError:
         raise ValueError(f"{path} is nested too deeply to be a manifest; {_DAMAGED}") from None
+    except ValueError as e:  # json's own, e.g. an integer of more digits than Python converts
+        raise ValueError(f"{path} is not valid JSON ({e}): the manifest is corrupt") from None
     _check_manifest(manifest, path)
     return manifest
 

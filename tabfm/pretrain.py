@@ -242,6 +242,8 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
                          "run with --resume")
     if cfg.train.init_from and resume is None:  # resuming, a checkpoint takes precedence over init_from
         ckpt.check_init_from(cfg.train.init_from, cfg.model)  # before --overwrite deletes anything
+        if Path(cfg.train.init_from).is_dir():  # every file's checksum here, not a traceback once training starts
+            ckpt.verify_checkpoint(cfg.train.init_from)
         if overwrite:
             _check_init_from_survives(Path(cfg.train.init_from), out_dir)
     if resume is not None:
@@ -249,14 +251,15 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
 
 
 def _check_resume_point(out_dir: Path, resume: str, cfg: RunConfig) -> None:
-    """The checkpoint a resume starts from, read without its tensors (manifest, sizes, headers) and checked to be
-    of the run's model: a damaged or foreign checkpoint is one line here, not a traceback from every rank."""
+    """The checkpoint a resume starts from, verified (manifest, sizes, headers, every file's checksum and finite
+    weights) and checked to be of the run's model: a damaged or foreign checkpoint is one line here, not a
+    traceback from every rank (a flipped byte in a shard once was, from the restore)."""
     from tabfm.checkpoint_inspect import config_diff, config_from_dict
 
     found = latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
     if found is None:
         return
-    manifest = ckpt.inspect_checkpoint(found)
+    manifest = ckpt.verify_checkpoint(found)
     saved = config_from_dict(manifest["model_config"], f"{found}/{ckpt.MANIFEST}: model_config")
     changed = config_diff(saved.to_dict(), cfg.model.to_dict())
     if changed:

@@ -243,6 +243,8 @@ BAD_MANIFESTS = {
     "model config with an unknown key": (_set(lambda m: m["model_config"], depth=3),
                                          r"model_config: unknown config key depth; valid keys: embed_dim"),
     "NaN in the JSON": (_set(lambda m: m["model_config"], bin_range=float("nan")), r"holds the non-number NaN"),
+    "model config naming a preset file": (_set(lambda m: m["model_config"], preset="/etc/passwd"),
+                                          r"model_config names a preset \('/etc/passwd'\)"),  # a fuzzer's: it was read
     "step a string": (lambda m: m.update(step="1"), r"field step must be a non-negative integer, got '1'"),
     "next step negative": (lambda m: m.update(data_position={"next_step": -1}),
                            r"field data_position.next_step must be a non-negative integer, got -1"),
@@ -479,3 +481,12 @@ def test_a_save_killed_at_any_point_leaves_a_checkpoint_that_loads_exactly(plain
             break
     else:
         pytest.fail("the save never completed")
+
+
+def test_an_integer_of_more_digits_than_python_converts_is_one_clear_error(plain):
+    """A fuzzer's finding: json's own ValueError (an integer of 5,000 digits) named neither file nor field."""
+    path, _ = plain
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"step": 1', '"step": ' + "9" * 5000, 1))
+    with pytest.raises(ValueError, match=r"manifest.json is not valid JSON \(.*digits.*\): the manifest is corrupt"):
+        ckpt.verify_checkpoint(path)

@@ -362,3 +362,21 @@ def test_resume_with_a_hostile_latest_pointer_is_one_line_before_any_work(tmp_pa
     with pytest.raises(ValueError, match="latest"):
         pretrain.check_out_dir(out, "auto", overwrite=False)
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "latest"]
+
+
+def test_resume_from_a_shard_with_a_flipped_byte_is_one_line_before_any_work(tmp_path, capsys):
+    """A fuzzer's finding: the launcher read the resume checkpoint's headers only, and a flipped byte in a shard
+    ended in a traceback from the restore once training had started; now every file's checksum is checked first."""
+    run = tmp_path / "run"
+    args = ["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    shard = run / "checkpoints" / "step_0000002" / "rank000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) - 100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert cli.main([*args, "train.steps=3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: ") and "rank000.safetensors is corrupt" in err[0]
+    assert _snapshot(run) == before
