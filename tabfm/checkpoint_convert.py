@@ -59,11 +59,29 @@ def _check_outside_runs(out: Path, d0: int, d1: int) -> None:
                          f"of the run's own checkpoints; write it outside, e.g. {parent.parent / f'resharded_{d0}x{d1}'}")
 
 
+def _check_merged_output(out: Path) -> None:
+    """Refuse a merged file inside a checkpoint folder (a file its manifest does not list, or one of its shards),
+    and --overwrite of a file that is not a merged checkpoint (a run's config.yaml or metrics.jsonl): a fuzzer's
+    `merge -o run/checkpoints/step_2/rank000.safetensors --overwrite` broke that checkpoint, where reshard refuses."""
+    parent = out.resolve().parent
+    if (parent / MANIFEST).exists():
+        raise ValueError(f"{out} is inside the checkpoint folder {parent}; write the merged file outside it")
+    if out.is_file():
+        try:
+            merged = read_header(out)[1].get("format") == MERGED_FORMAT
+        except ValueError:
+            merged = False
+        if not merged:
+            raise ValueError(f"{out} exists and is not a merged checkpoint, the only file --overwrite replaces; "
+                             "choose another output path")
+
+
 def merge(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """One safetensors file with the plain model's full state dict; the model config (and step) in its metadata.
     An existing `out` is replaced only when `overwrite`."""
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     _check_output(out, ckpt_dir, overwrite, folder=False)
+    _check_merged_output(out)
     manifest = inspect_checkpoint(ckpt_dir)
     full = {k[len(MODEL):]: v for k, v in gather_full(ckpt_dir, manifest, MODEL).items()}
     metadata = {"format": MERGED_FORMAT, "model_config": json.dumps(manifest["model_config"]),

@@ -393,6 +393,10 @@ def test_cli_writes_over_existing_output_only_with_overwrite(plain, tmp_path, ca
     err = capsys.readouterr().err
     assert "m.safetensors already exists" in err and "--overwrite" in err and err.count("\n") == 1
     assert out.read_bytes() == b"precious"
+    assert cli.main(["ckpt", "merge", str(path), "-o", str(out), "--overwrite"]) == 2  # replaces only a merged file
+    assert "is not a merged checkpoint" in capsys.readouterr().err and out.read_bytes() == b"precious"
+    out.unlink()
+    assert cli.main(["ckpt", "merge", str(path), "-o", str(out)]) == 0
     assert cli.main(["ckpt", "merge", str(path), "-o", str(out), "--overwrite"]) == 0
     assert ckpt.load_merged(out)[1].keys() == _model().state_dict().keys()
 
@@ -490,3 +494,24 @@ def test_an_integer_of_more_digits_than_python_converts_is_one_clear_error(plain
     (path / "manifest.json").write_text(text.replace('"step": 1', '"step": ' + "9" * 5000, 1))
     with pytest.raises(ValueError, match=r"manifest.json is not valid JSON \(.*digits.*\): the manifest is corrupt"):
         ckpt.verify_checkpoint(path)
+
+
+def test_merge_overwrites_only_a_merged_file_and_never_writes_into_a_checkpoint(plain, tmp_path):
+    """A fuzzer's finding: `merge -o <a checkpoint's shard> --overwrite` (or a run's config.yaml) replaced it,
+    where reshard refuses such outputs."""
+    path, _ = plain
+    other = Path(shutil.copytree(path, tmp_path / "other"))  # another checkpoint, e.g. an earlier step's
+    shard = other / "rank000.safetensors"
+    before = shard.read_bytes()
+    with pytest.raises(ValueError, match="is inside the checkpoint folder"):
+        ckpt.merge(path, shard, overwrite=True)
+    with pytest.raises(ValueError, match="is inside the checkpoint folder"):
+        ckpt.merge(path, other / "merged.safetensors")
+    assert shard.read_bytes() == before and not (other / "merged.safetensors").exists()
+    config = tmp_path / "config.yaml"
+    config.write_text("model: tiny\n")
+    with pytest.raises(ValueError, match="exists and is not a merged checkpoint"):
+        ckpt.merge(path, config, overwrite=True)
+    assert config.read_text() == "model: tiny\n"
+    merged = ckpt.merge(path, tmp_path / "m.safetensors")
+    assert ckpt.merge(path, merged, overwrite=True) == merged  # an earlier merged file is replaced
