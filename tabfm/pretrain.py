@@ -123,6 +123,8 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
         raise ValueError(f"--resume {resume}: not a checkpoint folder (no {ckpt.MANIFEST}); give one such as "
                          f"{out_dir}/checkpoints/step_0000010, or --resume auto for the latest in train.out_dir")
     held = previous_run(out_dir)
+    if not held:
+        _check_not_a_shared_folder(out_dir)
     if held and resume is None and not overwrite:
         raise ValueError(f"{out_dir} already holds a run ({' and '.join(held)}): continue it with --resume auto, "
                          "start another with --set train.out_dir=NEW_DIR, or delete it with --overwrite")
@@ -130,6 +132,21 @@ def check_out_dir(out_dir: Path, resume: str | None, overwrite: bool) -> None:
         read_metrics_file(out_dir / "metrics.jsonl", warn=False)  # corrupt: refused now, not on rank 0 mid-run
     if resume == "auto":
         latest_checkpoint(out_dir)  # a `latest` naming anything but a step folder: refused here, in one line
+
+
+def _check_not_a_shared_folder(out_dir: Path) -> None:
+    """Refuse to start a run in the filesystem's root, the home folder or a project's root (a folder holding .git
+    or pyproject.toml): a fuzzer's train.out_dir=/ and =<the repository> wrote there without a word, and a later
+    --overwrite would delete the run's files among the project's. A folder that already holds a run is its own."""
+    folder = out_dir.expanduser().resolve()
+    if folder == Path(folder.anchor) or folder == Path.home().resolve():
+        what = "the filesystem root" if folder == Path(folder.anchor) else "the home folder"
+        raise ValueError(f"train.out_dir {out_dir} is {what}; give a folder of the run's own, e.g. "
+                         f"{folder / 'runs' / 'my_run'}")
+    marker = next((m for m in (".git", "pyproject.toml") if (folder / m).exists()), None)
+    if marker is not None:
+        raise ValueError(f"train.out_dir {out_dir} is a project's root (it holds {marker}); give a folder of the "
+                         f"run's own, e.g. {out_dir}/runs/my_run")
 
 
 def clear_run(out_dir: Path) -> str | None:

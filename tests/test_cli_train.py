@@ -380,3 +380,20 @@ def test_resume_from_a_shard_with_a_flipped_byte_is_one_line_before_any_work(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: ") and "rank000.safetensors is corrupt" in err[0]
     assert _snapshot(run) == before
+
+
+def test_a_run_is_not_started_in_the_filesystem_root_the_home_folder_or_a_project_root(tmp_path, capsys):
+    """A fuzzer's finding: train.out_dir=/ and =<the repository> wrote checkpoints/, config.yaml and metrics.jsonl
+    there without a word (and --overwrite would then delete them among the project's files)."""
+    for folder in (Path("/"), Path.home()):
+        with pytest.raises(ValueError, match="give a folder of the run's own"):
+            pretrain.check_out_dir(folder, None, overwrite=False)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[project]\n")
+    before = _snapshot(project)
+    assert cli.main(["pretrain", "--config", str(TINY), "--set", f"train.out_dir={project}", *SMALL,
+                     "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a project's root (it holds pyproject.toml)" in err[0]
+    assert _snapshot(project) == before
