@@ -186,7 +186,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'a.b=c' -> (['a', 'b'], c parsed as YAML: numbers, booleans, lists, mappings)."""
     key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
+    if not sep or not key.strip() or any(not part.strip() for part in key.strip().split(".")):
         raise ConfigError(f"--set {text!r}: write it as section.key=value, e.g. optim.lr=3e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
@@ -202,7 +202,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], cls: type | N
     section to refine; `origins` records each override as the origin of its key."""
     raw = dict(raw)
     for text in overrides:
-        keys, value = parse_override(text)
+        keys, value = parse_override(text)  # a key given twice: the later wins, as on most command lines
         node, tp = raw, cls
         for depth, key in enumerate(keys[:-1]):
             tp = _field_type(tp, key) if tp is not None else None

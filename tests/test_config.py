@@ -231,6 +231,8 @@ def test_unions_want_a_tag_when_the_keys_do_not_tell():
 def test_override_mistakes_are_one_line():
     assert _error(load_config, TINY, ["optim.lr"]) == \
         "--set 'optim.lr': write it as section.key=value, e.g. optim.lr=3e-4"
+    assert _error(load_config, TINY, ["train..steps=5"]) == \
+        "--set 'train..steps=5': write it as section.key=value, e.g. optim.lr=3e-4"  # a fuzzer's: blamed the file
     assert _error(load_config, TINY, ["train.device.kind=cpu"]) == \
         "--set 'train.device.kind=cpu': train.device is a value, not a section"
     assert _error(load_config, TINY, ["optim.lr=[1, 2"]).startswith("--set 'optim.lr=[1, 2': the value is not valid YAML")
