@@ -464,6 +464,7 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         raise ValueError(f"{str(folder)!r} was fitted with checkpoint {checkpoint!r}, which does not exist here: "
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
+    _check_fitted_numbers(est, folder)
     est.device_ = target
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
@@ -475,6 +476,26 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
             est._fit_tree_model()
     return est
+
+
+_WEIGHTS = ("blend_weight_", "tree_weight_", "correction_weight_")
+"""Fitted blend weights, each in [0, 1]."""
+_SCALES = ("temperature_", "spread_")
+"""Fitted softmax temperature and spread factor, each positive and finite."""
+
+
+def _check_fitted_numbers(est: Any, folder: Path) -> None:
+    """Refuse fitted weights and scales no fit gives (a weight of 2 once moved probabilities outside [0, 1] in a
+    crafted file whose digests were recomputed): the JSON is then damaged or not what tabfm wrote."""
+    for name in (*_WEIGHTS, *_SCALES):
+        if name not in vars(est):
+            continue
+        value = vars(est)[name]
+        number = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
+        fine = number and math.isfinite(value) and (0.0 <= value <= 1.0 if name in _WEIGHTS else value > 0.0)
+        if not fine:
+            raise ValueError(f"cannot load {str(folder)!r}: {META_FILE} is damaged ({name} = {value!r}, which no fit "
+                             "gives); save the estimator again")
 
 
 def _read_trees(est: Any, folder: Path, meta: dict[str, Any]) -> bool:

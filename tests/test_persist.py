@@ -290,6 +290,8 @@ def test_save_through_a_link_replaces_its_target_and_a_file_in_the_way_is_one_li
 @pytest.mark.parametrize("edit, message", [
     (lambda meta: meta["params"]["fields"].update(n_estimators="abc"), "'n_estimators' parameter"),
     (lambda meta: meta["attributes"]["fields"].update(device_={"kind": "device", "value": "xyz"}), "is damaged"),
+    (lambda meta: meta["attributes"]["fields"].update(tree_weight_=2.0), r"tree_weight_ = 2.0, which no fit gives"),
+    (lambda meta: meta["attributes"]["fields"].update(temperature_="x"), r"temperature_ = 'x', which no fit gives"),
 ])
 def test_parameters_and_devices_a_fit_would_refuse_are_refused_at_load(copy_of, edit, message):
     """Found by a hunt over damaged folders: n_estimators='abc' loaded and predicted, a device 'xyz' raised torch's
