@@ -197,9 +197,10 @@ class _TabFMBase(BaseEstimator):
         cross-fitted (a fuzzer's 50-row tables of 26 and 24 rows drew 9 and went uncalibrated). Why not cross-fit
         every small table: where members hold the rows there is no second encoding to pay for, and on the 56
         tables the folds gained where a probe runs anyway (docs/accuracy.md)."""
-        if not len(held) or (len(held) < calibration.MIN_HELD_ROWS and not calibration.cross_fits(n)):
+        few = len(held) < calibration.MIN_HELD_ROWS
+        if not len(held) or (few and not calibration.cross_fits(n)):
             return [], 0
-        members = self._held_members(n_members, n - len(held)) if len(held) >= calibration.MIN_HELD_ROWS else 0
+        members = 0 if few else self._held_members(n_members, n - len(held))
         if members or not calibration.cross_fits(n):
             return [held], members
         return calibration.cross_fit_folds(n, rng, classes), 0
@@ -503,7 +504,7 @@ class _TabFMBase(BaseEstimator):
     """Fitted attributes that pickling and `save` leave out: the model (and its mesh) is rebuilt from the
     checkpoint on first use, as scikit-learn and TabICL do."""
 
-    _REFITTED_AT_LOAD = ("tree_model_",)
+    _SAVED_APART = ("tree_model_",)
     """Fitted attributes that `save` leaves out of its JSON: the trees, written to their own file with skops
     (tabfm.persist), or fitted again at load from what the JSON keeps; pickling keeps them."""
 

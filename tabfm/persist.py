@@ -40,6 +40,7 @@ import torch
 
 from tabfm.out_paths import private_name
 from tabfm.tree_io import tree_bytes, trees_from_bytes
+from tabfm.validation import torch_threads
 
 FORMAT_VERSION = 3
 """2: contexts per member may be local (context_members_, local_); version 1 files are refused.
@@ -269,13 +270,11 @@ def save_estimator(est: Any, path: str | Path) -> None:
             for p in path.iterdir())):  # names alone once let a folder named trees.skops be replaced
         raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
     if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
-        from tabfm.validation import torch_threads
-
         with torch_threads(est.n_jobs):  # as predict would: the forwards' split follows the thread count
             est._encode_contexts()
     params = _plain_params(est)
     encoder = _Encoder()
-    left_out = (*est._UNSTORED, *est._REFITTED_AT_LOAD)  # no model; the trees in their own file
+    left_out = (*est._UNSTORED, *est._SAVED_APART)  # no model; the trees in their own file
     attributes = {k: v for k, v in vars(est).items() if k not in params and k not in left_out}
     meta = {"format_version": FORMAT_VERSION, "class": type(est).__name__, "tabfm_version": tabfm.__version__,
             "sklearn_version": _sklearn_version(), "params": encoder.encode(params, "params"),
@@ -470,8 +469,6 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
     except ValueError as e:  # the weights at its checkpoint are not those it was fitted with
         raise ValueError(f"cannot load {str(folder)!r}: {e}") from None
-    from tabfm.validation import torch_threads
-
     if not _read_trees(est, folder, meta):
         with torch_threads(est.n_jobs):  # the trees on the estimator's threads, as at fit
             est._fit_tree_model()

@@ -169,9 +169,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         held = np.concatenate(folds)
         base = target[held] - self.y_train_[held]  # the linear base's out-of-fold predictions (y_train_: residuals)
         ours = base + scale.forward(corrected)
-        trees = np.concatenate([fit_trees(self.train_cells_.take(np.setdiff1d(np.arange(len(y)), fold)),
-                                          target[np.setdiff1d(np.arange(len(y)), fold)], None, self.tree_seed_)
-                                .predict(self.train_cells_.take(fold)) for fold in folds])
+        kept = [np.setdiff1d(np.arange(len(y)), fold) for fold in folds]
+        trees = np.concatenate([fit_trees(self.train_cells_.take(keep), target[keep], None, self.tree_seed_)
+                                .predict(self.train_cells_.take(fold)) for keep, fold in zip(kept, folds, strict=True)])
         self.tree_weight_ = calibration.best_tree_weight(ours, trees, target[held])
         if self.tree_weight_ > 0:
             self.tree_target_ = target
