@@ -31,7 +31,7 @@ from tabfm.model import TabFM
 from tabfm.preprocess import Cells
 from tabfm.raw_columns import check_table_shape
 from tabfm.table_threads import host_work
-from tabfm.tree_base import fit_trees
+from tabfm.tree_fits import TreeFits
 from tabfm.validation import check_class_labels
 
 
@@ -178,20 +178,25 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.tree_seed_ = self._draw_tree_seed()
         held = calibration.held_out_rows(y_ids, K, rng) if self.calibrate else np.empty(0, np.int64)
         folds, held_members = self._calibration_folds(len(y_ids), held, n_members, rng, y_ids)
-        if held_members:
-            self._fit_common(X, y_ids, n_members, model, held=held, held_members=held_members)
-            logp = self._cell_outputs(self.train_cells_.take(held), members=held_members)
-            with host_work(len(y_ids)):  # the logistic regressions and the blend's search, between forwards
-                self.temperature_, self.blend_weight_, self.tree_weight_, linear = self._fit_temperature(logp, folds)
-        else:
-            self._fit_common(X, y_ids, n_members, model, encode=False)
-            self.temperature_, self.blend_weight_, self.tree_weight_, linear = (
-                self._calibrate(folds, rng) if folds else (float(self.softmax_temperature), 0.0, 0.0, None))
-            self._encode_contexts()  # after the probes' contexts are freed: their caches never coexist with these
-        with host_work(len(self.y_train_)):
-            self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
-                                                    start=linear.kept) if self.blend_weight_ > 0 else None)
-        self._fit_tree_model()
+        self._fit_common(X, y_ids, n_members, model, encode=False,
+                         held=held if held_members else None, held_members=held_members)
+        trainable = all(len(np.unique(np.delete(y_ids, fold))) > 1 for fold in folds)  # every fold's kept rows
+        with self._tree_fits(folds if trainable else [], y_ids, K) as trees:  # beside the forwards below
+            if held_members:
+                self._encode_contexts()
+                logp = self._cell_outputs(self.train_cells_.take(held), members=held_members)
+                with host_work(len(y_ids)):  # the logistic regressions and the blend's search, between forwards
+                    self.temperature_, self.blend_weight_, self.tree_weight_, linear = self._fit_temperature(
+                        logp, folds, trees)
+            else:
+                self.temperature_, self.blend_weight_, self.tree_weight_, linear = (
+                    self._calibrate(folds, rng, trees) if folds else (float(self.softmax_temperature), 0.0, 0.0,
+                                                                      None))
+                self._encode_contexts()  # after the probes' contexts are freed: their caches never coexist
+            with host_work(len(self.y_train_)):
+                self.linear_model_ = (LogisticModel.fit(self.train_cells_, self.y_train_, K, linear.view, linear.C,
+                                                        start=linear.kept) if self.blend_weight_ > 0 else None)
+            self._fit_tree_model(trees)
         return self
 
     def _tree_targets(self) -> tuple[np.ndarray, int]:
@@ -202,15 +207,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         member is then needed to decode them."""
         return 0 if len(self.classes_) > self.n_groups_ else super()._held_members(n_members, kept)
 
-    def _fit_temperature(self, logp: np.ndarray, folds: list[np.ndarray]) -> tuple[float, float, float, LinearChoice]:
+    def _fit_temperature(self, logp: np.ndarray, folds: list[np.ndarray],
+                         trees: TreeFits | None) -> tuple[float, float, float, LinearChoice]:
         """(softmax temperature, blend weight, trees' weight, the logistic regression's LinearChoice) that minimise
         the log-loss of the held train rows (those of `folds`, in their order), given the members' predictions of
-        them logp [M, h, G] from contexts without their fold, and with linear_blend (tree_blend) a logistic
-        regression's (trees') fitted without their fold too. The logistic regression's view of the numeric columns
-        (linear_base.LINEAR_VIEWS) is chosen at the first penalty of linear_base.LOGISTIC_CS, then its penalty
-        among them in that view, each fit starting from that view's first (two stages: a fit per view and per
-        other penalty, not per pair). Ties go to the first view and penalty, then the lowest temperature, then
-        the lowest weight."""
+        them logp [M, h, G] from contexts without their fold, and with linear_blend a logistic regression's fitted
+        without their fold too, and the trees' of `trees` (their fits, tabfm.tree_fits; None: no trees). The
+        logistic regression's view of the numeric columns (linear_base.LINEAR_VIEWS) is chosen at the first
+        penalty of linear_base.LOGISTIC_CS, then its penalty among them in that view, each fit starting from that
+        view's first (two stages: a fit per view and per other penalty, not per pair). Ties go to the first view
+        and penalty, then the lowest temperature, then the lowest weight."""
         y, K = self.y_train_, len(self.classes_)
         held = np.concatenate(folds)
         kept = [np.setdiff1d(np.arange(len(y)), fold) for fold in folds]
@@ -240,15 +246,16 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
             linears = [firsts[best][0]] + [p for p, _ in others]
             choices = [LinearChoice(views[best], C, models[0])
                        for C, (_, models) in zip(LOGISTIC_CS, [firsts[best]] + others, strict=True)]
-        if self.tree_blend and trainable:
-            trees = held_probabilities(lambda cells, y_keep, f: fit_trees(cells, y_keep, K, self.tree_seed_))[0]
+        if trees is not None:
+            tree_probs = held_probabilities(lambda cells, y_keep, f: trees.fold_model(f))[0]
             choice, temperature, weight, tree_weight = calibration.best_tree_blend(ensemble, np.stack(linears),
-                                                                                   weights, trees)
+                                                                                   weights, tree_probs)
             return temperature, weight, tree_weight, choices[choice]
         choice, temperature, weight = calibration.best_blend(ensemble, np.stack(linears), weights)
         return temperature, weight, 0.0, choices[choice]
 
-    def _calibrate(self, folds: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float, float, LinearChoice]:
+    def _calibrate(self, folds: list[np.ndarray], rng: np.random.Generator,
+                   trees: TreeFits | None) -> tuple[float, float, float, LinearChoice]:
         """(softmax temperature, blend weight, trees' weight, LinearChoice) from the rows of each fold predicted by
         a probe (_TabFMBase._probe) of the first calibration.calibration_members members fitted without them, or of
         every member where the classes need them all to be decoded."""
@@ -257,7 +264,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         logp = np.concatenate([self._probe(fold, rng, members)._cell_outputs(self.train_cells_.take(fold))
                                for fold in folds], axis=1)
         with host_work(len(self.y_train_)):
-            return self._fit_temperature(logp, folds)
+            return self._fit_temperature(logp, folds, trees)
 
     def _keep_members(self, members: int) -> None:
         self.class_codes_ = self.class_codes_[:members]

@@ -19,6 +19,7 @@ calls fit / predict with the same data and gets the one-process result.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import numbers
@@ -44,6 +45,7 @@ from tabfm.preprocess import Cells, TablePreprocessor
 from tabfm.raw_columns import arrow_as_polars, check_table_shape
 from tabfm.table_threads import host_work, map_tables, table_workers
 from tabfm.tree_base import fit_trees
+from tabfm.tree_fits import TreeFits
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
                               torch_threads)
 
@@ -515,11 +517,25 @@ class _TabFMBase(BaseEstimator):
             return int(np.random.default_rng().integers(2**31))  # fresh entropy, as the fit's own
         return self.seed_ % 2**32
 
-    def _fit_tree_model(self) -> None:
-        """tree_model_: the trees on every train row where they have a weight, else None (at fit, and at load:
-        save keeps what they are fitted on, not the trees; None too for an estimator saved before they existed)."""
+    def _tree_fits(self, folds: list[np.ndarray], targets: np.ndarray,
+                   n_classes: int | None) -> contextlib.AbstractContextManager[TreeFits | None]:
+        """The trees' fits of this fit started beside its forwards (tabfm.tree_fits), on the train cells and
+        `targets`, where the calibration weighs trees in (tree_blend, and `folds` to score them on); else None.
+        Their threads: on a CPU one, as the forwards hold the n_jobs threads (two OpenMP teams on the same cores
+        made a 1,000-row fit 1.7x slower on two cores, spinning); on an accelerator, whose forwards leave the host
+        idle, n_jobs less the one that launches the device's work."""
+        if not (self.tree_blend and folds):
+            return contextlib.nullcontext()
+        threads = 1 if self.device_.type == "cpu" else max(1, torch.get_num_threads() - 1)
+        return TreeFits(self.train_cells_, targets, n_classes, self.tree_seed_, folds, threads)
+
+    def _fit_tree_model(self, trees: TreeFits | None = None) -> None:
+        """tree_model_: the trees on every train row where they have a weight (those of `trees` where given),
+        else None (at fit, and at load under another scikit-learn than save's, from the saved cells and seed; None
+        too for an estimator saved before they existed)."""
         if getattr(self, "tree_weight_", 0.0) > 0:
-            self.tree_model_ = fit_trees(self.train_cells_, *self._tree_targets(), self.tree_seed_)
+            self.tree_model_ = (trees.all_rows_model() if trees is not None
+                                else fit_trees(self.train_cells_, *self._tree_targets(), self.tree_seed_))
         else:
             self.tree_model_ = None
 

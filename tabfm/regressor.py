@@ -30,7 +30,7 @@ from tabfm.raw_columns import check_table_shape, unmask
 from tabfm.table_threads import host_work
 from tabfm.target_transform import (TargetScale, TargetTransform, bin_points, mapped_mean, mixture_quantiles,
                                     sub_edges)
-from tabfm.tree_base import fit_trees
+from tabfm.tree_fits import TreeFits
 from tabfm.validation import check_real_targets
 
 
@@ -134,48 +134,61 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         n_members = self._members_for(len(y))
         rng = self._calibration_rng()
         folds, held_members = self._held_rows(len(y), n_members, rng)
-        self._fit_common(X, y, n_members, model, encode=not folds or held_members > 0,
-                         held=folds[0] if held_members else None, held_members=held_members)
+        self._fit_common(X, y, n_members, model, encode=False, held=folds[0] if held_members else None,
+                         held_members=held_members)
         self.correction_weight_, self.spread_, self.tree_weight_ = 1.0, 1.0, 0.0
         self.tree_seed_, self.tree_target_ = self._draw_tree_seed(), None
-        if folds:
-            held = np.concatenate(folds)
-            if held_members:
-                out = self._cell_outputs(self.train_cells_.take(held), self._held_outputs(), members=held_members)
+        # the trees learn the targets as the members see them before the linear base: normalised, outliers squeezed
+        tree_target = squeeze_outliers(self.target_scale_.forward(y))
+        with self._tree_fits(folds, tree_target, None) as trees:  # beside the forwards below
+            if folds:
+                self._calibrate(folds, held_members, rng, tree_target, trees)
             else:
-                members = calibration.calibration_members(self.n_members_)
-                out = np.concatenate([self._probe_outputs(fold, rng, members) for fold in folds])
-                self._encode_contexts()  # after the probes' contexts are freed: their caches never coexist
-            mean, quantiles = out[:, 0], out[:, 1:]
-            scale = self.target_scale_
-            self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
-                                                                    self.y_train_[held])
-            shift = self._correction(mean)[:, None]
-            if self.tree_blend:
-                shift = shift + self._weigh_trees(y, folds, mean + shift[:, 0])[:, None]
-            self.spread_ = calibration.spread_factor(mean + shift[:, 0], quantiles + shift,
-                                                     scale.inverse(self.y_train_[held]))
-        self._fit_tree_model()
+                self._encode_contexts()
+            self._fit_tree_model(trees)
         return self
 
-    def _weigh_trees(self, y: np.ndarray, folds: list[np.ndarray], corrected: np.ndarray) -> np.ndarray:
+    def _calibrate(self, folds: list[np.ndarray], held_members: int, rng: np.random.Generator,
+                   tree_target: np.ndarray, trees: TreeFits | None) -> None:
+        """Encode the contexts and set correction_weight_, spread_ and (with `trees`) the trees' weight from the
+        rows of `folds`: predicted by the first held_members members, whose contexts leave them out, or (0) by a
+        probe per fold fitted without them, run before the contexts are encoded so that the caches never
+        coexist."""
+        held = np.concatenate(folds)
+        if held_members:
+            self._encode_contexts()
+            out = self._cell_outputs(self.train_cells_.take(held), self._held_outputs(), members=held_members)
+        else:
+            members = calibration.calibration_members(self.n_members_)
+            out = np.concatenate([self._probe_outputs(fold, rng, members) for fold in folds])
+            self._encode_contexts()
+        mean, quantiles = out[:, 0], out[:, 1:]
+        scale = self.target_scale_
+        self.correction_weight_ = calibration.correction_weight((mean - scale.center) / scale.scale,
+                                                                self.y_train_[held])
+        shift = self._correction(mean)[:, None]
+        if trees is not None:
+            shift = shift + self._weigh_trees(tree_target, folds, mean + shift[:, 0], trees)[:, None]
+        self.spread_ = calibration.spread_factor(mean + shift[:, 0], quantiles + shift,
+                                                 scale.inverse(self.y_train_[held]))
+
+    def _weigh_trees(self, target: np.ndarray, folds: list[np.ndarray], corrected: np.ndarray,
+                     trees: TreeFits) -> np.ndarray:
         """Set tree_weight_ (and tree_target_ where it is above 0) from the held rows (those of `folds`, in their
         order), given their model means with the correction weight applied (corrected [h], target units), each
-        fold predicted by trees fitted on the other train rows; returns how far the blend moves their predictions
-        [h] (target units). The trees learn the targets as the members see them before the linear base:
-        normalised, outliers squeezed (tabfm.numeric_bounds)."""
+        fold predicted by the trees of `trees` fitted on the other train rows (tabfm.tree_fits); returns how far
+        the blend moves their predictions [h] (target units). target: what the trees learn, the targets as the
+        members see them before the linear base (normalised, outliers squeezed: tabfm.numeric_bounds)."""
         scale = self.target_scale_
-        target = squeeze_outliers(scale.forward(y))
         held = np.concatenate(folds)
         base = target[held] - self.y_train_[held]  # the linear base's out-of-fold predictions (y_train_: residuals)
         ours = base + scale.forward(corrected)
-        kept = [np.setdiff1d(np.arange(len(y)), fold) for fold in folds]
-        trees = np.concatenate([fit_trees(self.train_cells_.take(keep), target[keep], None, self.tree_seed_)
-                                .predict(self.train_cells_.take(fold)) for keep, fold in zip(kept, folds, strict=True)])
-        self.tree_weight_ = calibration.best_tree_weight(ours, trees, target[held])
+        predicted = np.concatenate([trees.fold_model(f).predict(self.train_cells_.take(fold))
+                                    for f, fold in enumerate(folds)])
+        self.tree_weight_ = calibration.best_tree_weight(ours, predicted, target[held])
         if self.tree_weight_ > 0:
             self.tree_target_ = target
-        return scale.scale * self.tree_weight_ * (trees - ours)
+        return scale.scale * self.tree_weight_ * (predicted - ours)
 
     def _tree_targets(self) -> tuple[np.ndarray, None]:
         return self.tree_target_, None

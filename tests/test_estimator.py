@@ -13,8 +13,7 @@ import torch
 from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from tabfm import calibration, estimator, estimator_model, inference
-from tabfm import classifier as classifier_module
+from tabfm import calibration, estimator, estimator_model, inference, tree_fits
 from tabfm.ensemble import class_codes
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.linear_base import LogisticModel
@@ -282,7 +281,7 @@ def test_a_small_table_calibrates_every_row_through_cross_fitted_probes(monkeypa
     df, y = mixed_frame(140, seed=3)
     y_ids = np.unique(y[:120], return_inverse=True)[1]
     probed, fitted, chosen = [], [], []
-    real_probe, real_trees = TabFMClassifier._probe, classifier_module.fit_trees
+    real_probe, real_trees = TabFMClassifier._probe, tree_fits.fit_trees
 
     def probe(self, held, rng, members):
         made = real_probe(self, held, rng, members)
@@ -290,11 +289,10 @@ def test_a_small_table_calibrates_every_row_through_cross_fitted_probes(monkeypa
         return made
 
     real_choice = TabFMClassifier._fit_temperature
-    monkeypatch.setattr(TabFMClassifier, "_fit_temperature", lambda self, logp, folds: chosen.append(
-        (logp, folds, real_choice(self, logp, folds))) or chosen[-1][2])
+    monkeypatch.setattr(TabFMClassifier, "_fit_temperature", lambda self, logp, folds, trees: chosen.append(
+        (logp, folds, real_choice(self, logp, folds, trees))) or chosen[-1][2])
     monkeypatch.setattr(TabFMClassifier, "_probe", probe)
-    for module in (classifier_module, estimator):
-        monkeypatch.setattr(module, "fit_trees", lambda cells, y, *a: fitted.append(len(y)) or real_trees(cells, y, *a))
+    monkeypatch.setattr(tree_fits, "fit_trees", lambda cells, y, *a: fitted.append(len(y)) or real_trees(cells, y, *a))
     clf = TabFMClassifier(n_estimators=4, n_jobs=1).fit(df[:120], y[:120])
     folds = [held for held, _ in probed]
     assert len(folds) == calibration.CROSS_FIT_FOLDS
@@ -303,7 +301,9 @@ def test_a_small_table_calibrates_every_row_through_cross_fitted_probes(monkeypa
         assert len(context_y) == 120 - len(held)
         assert np.array_equal(np.bincount(context_y, minlength=2) + np.bincount(y_ids[held], minlength=2),
                               np.bincount(y_ids, minlength=2))
-    assert fitted == [120 - len(f) for f in folds] + [120] * (clf.tree_weight_ > 0)  # then on every row
+    # then on every row (started before the trees' weight is known, so perhaps fitted and not kept: tree_fits)
+    assert fitted[:len(folds)] == [120 - len(f) for f in folds] and fitted[len(folds):] in ([], [120])
+    assert (clf.tree_model_ is not None) == (clf.tree_weight_ > 0)
     assert [f.tolist() for f in chosen[0][1]] == [f.tolist() for f in folds]
     assert chosen[0][0].shape == (2, 120, clf.n_groups_)  # the probes' 2 members' predictions of every row
     assert (clf.temperature_, clf.blend_weight_, clf.tree_weight_) == chosen[0][2][:3]
@@ -355,7 +355,8 @@ def test_local_contexts_calibrate_from_the_first_members_without_a_probe(monkeyp
     held_cells = clf.train_cells_.take(held)
     logp = clf._cell_outputs(held_cells, members=2)
     np.testing.assert_allclose(logp, clf._cell_outputs(held_cells)[:2], rtol=0, atol=1e-12)
-    temperature, weight, tree_weight, linear = clf._fit_temperature(logp, [held])
+    with clf._tree_fits([held], clf.y_train_, 2) as trees:  # the same trees as the fit's
+        temperature, weight, tree_weight, linear = clf._fit_temperature(logp, [held], trees)
     assert (clf.temperature_, clf.blend_weight_, clf.tree_weight_) == (temperature, weight, tree_weight)
     assert (clf.linear_model_ is None) == (clf.blend_weight_ == 0)
     if clf.linear_model_ is not None:  # the view and penalty chosen, refitted on every train row

@@ -359,7 +359,7 @@ def test_held_rows_choose_the_weakest_penalty_for_a_boundary_without_noise(seed)
     X, y = _wide_linear_classes(600, seed=seed)
     clf = TabFMClassifier(n_estimators=1, calibrate=False, n_jobs=1, tree_blend=False).fit(X, y)
     held = calibration.held_out_rows(y, 2, np.random.default_rng(seed))
-    _, weight, _, choice = clf._fit_temperature(np.zeros((1, len(held), 2)), [held])
+    _, weight, _, choice = clf._fit_temperature(np.zeros((1, len(held), 2)), [held], None)
     assert weight > 0 and (choice.view, choice.C) == ("plain", max(LOGISTIC_CS))
 
 
@@ -374,11 +374,11 @@ def test_the_classifiers_logistic_regression_skips_hinges_past_hinge_cells(monke
     tried = []
     real = LinearDesign.viewed
     monkeypatch.setattr(LinearDesign, "viewed", lambda self, view, cells: tried.append(view) or real(self, view, cells))
-    clf._fit_temperature(np.zeros((1, len(held), 2)), [held])
+    clf._fit_temperature(np.zeros((1, len(held), 2)), [held], None)
     assert tried == list(LINEAR_VIEWS)
     tried.clear()
     monkeypatch.setattr(linear_base, "HINGE_CELLS", len(y) - len(held))  # under one column of the kept rows
-    clf._fit_temperature(np.zeros((1, len(held), 2)), [held])
+    clf._fit_temperature(np.zeros((1, len(held), 2)), [held], None)
     assert tried == ["plain", "power"]
 
 

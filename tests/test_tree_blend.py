@@ -207,6 +207,70 @@ def test_trees_run_on_the_estimators_threads(monkeypatch):
     assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
 
 
+def _tree_threads_left() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("tabfm-trees")]
+
+
+@pytest.mark.parametrize("estimator, data", [(TabFMClassifier, _steps), (TabFMRegressor, _step_target)])
+def test_the_trees_are_fitted_on_their_own_thread_while_the_contexts_are_encoded(monkeypatch, estimator, data):
+    """tabfm.tree_fits: the held fold's trees and the final ones are fitted on one 'tabfm-trees' thread, the first
+    before the contexts' encoding ends (it waits here until a tree fit has started: run one after the other, it
+    would wait in vain), and no such thread outlives fit; the final trees are the ones fit_trees gives."""
+    import threading
+
+    from tabfm import estimator as estimator_module
+    from tabfm import tree_fits
+
+    started, threads, waited = threading.Event(), [], []
+    real_fit, real_encode = tree_fits.fit_trees, estimator_module._TabFMBase._encode_contexts
+
+    def fit(*args):
+        threads.append(threading.current_thread().name)
+        started.set()
+        return real_fit(*args)
+
+    def encode(self):
+        waited.append(started.wait(timeout=60))
+        return real_encode(self)
+
+    monkeypatch.setattr(tree_fits, "fit_trees", fit)
+    monkeypatch.setattr(estimator_module._TabFMBase, "_encode_contexts", encode)
+    X, y = data(500)
+    est = estimator(**FAST).fit(X[:400], y[:400])
+    assert waited == [True] and len(threads) == 2 and all(name.startswith("tabfm-trees") for name in threads)
+    assert est.tree_weight_ > 0 and not _tree_threads_left()
+    targets, n_classes = est._tree_targets()
+    alone = fit_trees(est.train_cells_, targets, n_classes, est.tree_seed_)
+    cells = est._cells_of(X[400:])
+    if n_classes is None:
+        np.testing.assert_array_equal(est.tree_model_.predict(cells), alone.predict(cells))
+    else:
+        np.testing.assert_array_equal(est.tree_model_.predict_proba(cells), alone.predict_proba(cells))
+
+
+def test_a_failed_tree_fit_fails_the_fit_and_a_failed_forward_stops_the_trees(monkeypatch):
+    from tabfm import estimator as estimator_module
+    from tabfm import tree_fits
+
+    def broken(*args):
+        raise RuntimeError("the trees broke")
+
+    X, y = _steps(500)
+    with monkeypatch.context() as patch:
+        patch.setattr(tree_fits, "fit_trees", broken)
+        with pytest.raises(RuntimeError, match="the trees broke"):
+            TabFMClassifier(**FAST).fit(X[:400], y[:400])
+    with monkeypatch.context() as patch:
+        patch.setattr(estimator_module._TabFMBase, "_encode_contexts", lambda self: broken())
+        with pytest.raises(RuntimeError, match="the trees broke"):
+            TabFMClassifier(**FAST).fit(X[:400], y[:400])
+    for thread in _tree_threads_left():  # the fit that was running ends; the one queued behind it never starts
+        thread.join(timeout=60)
+    assert not _tree_threads_left()
+
+
 def test_the_speed_benchmark_times_one_row_after_load_with_the_trees_read_back():
     from builders import benchmark_module
 
