@@ -201,8 +201,12 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], cls: type | N
     config class `cls`, a preset name met on the way (`model: tiny`, then model.embed_dim=64) becomes a preset
     section to refine; `origins` records each override as the origin of its key."""
     raw = dict(raw)
+    given: dict[tuple[str, ...], str] = {}
     for text in overrides:
-        keys, value = parse_override(text)  # a key given twice: the later wins, as on most command lines
+        keys, value = parse_override(text)
+        if (first := given.get(tuple(keys))) is not None:  # the later won without a word; a YAML file refuses it
+            raise ConfigError(f"--set {'.'.join(keys)} is given twice ({first!r}, then {text!r}); give it once")
+        given[tuple(keys)] = text
         node, tp = raw, cls
         for depth, key in enumerate(keys[:-1]):
             tp = _field_type(tp, key) if tp is not None else None

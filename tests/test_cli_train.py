@@ -245,6 +245,8 @@ BAD_CONFIGS = {
     "a wrong file name": (["--config", "configs/pretrain/tiniy.yaml"], "tiniy.yaml does not exist"),
     "a layout of 4 on 3 processes": (["--nproc", "3", "--set", "parallel.d0=2", "parallel.d1=2"],
                                      "needs 4 processes but 3 were started"),
+    "a key set twice": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=5", "train.steps=6"],
+                        "--set train.steps is given twice ('train.steps=5', then 'train.steps=6'); give it once"),
     "a word for a number": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=ten"],
                             "train.steps must be an integer"),
     "a misspelled topology preset": (["--set", "parallel.layout=auto", "parallel.topology=nvswitch9"],

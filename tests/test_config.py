@@ -84,8 +84,9 @@ def test_set_refines_a_named_preset_or_replaces_it():
 
 
 def test_overrides_parse_as_yaml_and_a_single_value_is_a_one_item_list(tmp_path):
-    cfg = load_config(TINY, ["optim.lr=3e-4", "train.eval_tables=[skl_iris, skl_wine]", "train.eval_tables=skl_iris"])
-    assert cfg.optim.lr == 3e-4 and cfg.train.eval_tables == ("skl_iris",)
+    cfg = load_config(TINY, ["optim.lr=3e-4", "train.eval_tables=[skl_iris, skl_wine]"])
+    assert cfg.optim.lr == 3e-4 and cfg.train.eval_tables == ("skl_iris", "skl_wine")
+    assert load_config(TINY, ["train.eval_tables=skl_iris"]).train.eval_tables == ("skl_iris",)
     plan = load_plan(ROOT / "configs/plan/transformer_small.yaml", ["plan.chunks=4", "model.depth=3"])
     assert plan.plan.chunks == (4,) and plan.model.depth == 3
 
@@ -237,3 +238,14 @@ def test_override_mistakes_are_one_line():
         "--set 'train.device.kind=cpu': train.device is a value, not a section"
     assert _error(load_config, TINY, ["optim.lr=[1, 2"]).startswith("--set 'optim.lr=[1, 2': the value is not valid YAML")
     assert _error(load_config, TINY, ["optim.lrr=1"]).endswith("(from --set optim.lrr=1)")
+
+
+def test_a_key_set_twice_is_refused():
+    """A key given twice in a YAML file is refused; two --set of one key trained the later's value without a word."""
+    assert _error(load_config, TINY, ["train.steps=5", "optim.lr=1e-3", " train.steps =6"]) == \
+        "--set train.steps is given twice ('train.steps=5', then ' train.steps =6'); give it once"
+    assert _error(load_config, TINY, ["train.steps=5", "train.steps=5"]).startswith("--set train.steps is given twice")
+    assert _error(load_plan, ROOT / "configs/plan/transformer_small.yaml", ["plan.chunks=4", "plan.chunks=2"]) == \
+        "--set plan.chunks is given twice ('plan.chunks=4', then 'plan.chunks=2'); give it once"
+    cfg = load_config(TINY, ["model=tiny", "model.embed_dim=64", "train.steps=5"])  # a section, then its key: two keys
+    assert (cfg.model.embed_dim, cfg.train.steps) == (64, 5)
