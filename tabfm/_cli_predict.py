@@ -189,12 +189,20 @@ def load_train(args: argparse.Namespace):
     labelled = target.is_not_null()
     if target.dtype.is_float():  # a Parquet file's NaN is a missing target too, as a CSV's "NaN" cell is null
         labelled = labelled & ~target.is_nan().fill_null(False)
-    unlabelled = train.height - int(labelled.sum())
-    if unlabelled == train.height:
+    # polars reads a CSV's blank line (e.g. one at its end) as a row with every cell missing, where pandas skips
+    # it: no row, so not counted as one without a target. Such rows (a line of only missing-value tokens too) are
+    # left out with the unlabelled ones without a word: they hold nothing to fit.
+    rows = train.height - int(train.select(pl.all_horizontal(pl.all().is_null())).to_series().sum())
+    if rows == 0:
+        raise ValueError(f"{args.train}: has a header ({train.width} columns) but no rows (only blank lines or "
+                         "missing cells)")
+    unlabelled = rows - int(labelled.sum())
+    if unlabelled == rows:
         raise ValueError(f"{args.train}: the target column {args.target!r} is empty (every cell is missing)")
     if unlabelled:
-        _say(args, f"{args.train}: {unlabelled} of {train.height} rows have no {args.target!r} value; they are left "
+        _say(args, f"{args.train}: {unlabelled} of {rows} rows have no {args.target!r} value; they are left "
              "out", warning=True)
+    if not labelled.all():
         train = train.filter(labelled)
     y = train.get_column(args.target)
     X = train.drop(args.target)
@@ -205,7 +213,7 @@ def load_train(args: argparse.Namespace):
                          "classification target is read as classes anyway: --task classification)")
     task, why = _task(args, y)
     if task == "classification":
-        y = _labels_as_written(args, y, labelled if unlabelled else None)
+        y = _labels_as_written(args, y, None if labelled.all() else labelled)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
     if task == "regression" and not (y.dtype.is_numeric() or y.dtype == pl.Boolean):

@@ -241,7 +241,7 @@ def short_rows(path: str | Path, separator: str | None = None, last_column_missi
         reader = csv.reader(f, delimiter=separator)
         width = len(next(reader, []))
         for row in reader:
-            if 0 < len(row) < width and row != [""]:  # a blank line is no row (polars skips it)
+            if 0 < len(row) < width and row != [""]:  # a blank line is no short row (polars: every cell missing)
                 count += 1
                 first = first or reader.line_num
     return (count, first) if count else None

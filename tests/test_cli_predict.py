@@ -595,6 +595,31 @@ def test_blank_lines_in_the_test_file_are_predicted_in_place_and_said(tmp_path, 
     assert main([*argv, "--overwrite"]) == 0 and "blank lines" not in capsys.readouterr().err
 
 
+def test_blank_lines_in_the_train_file_are_no_rows_without_a_target(tmp_path, capsys):
+    """A train CSV ending in blank lines (as polars reads them: rows with every cell missing) was said to have that
+    many rows without a target; pandas reads no row there. A real row without its target is still said."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=40)
+    rows = [f"{v:.3f},{'u' if v > 0 else 'v'},{int(v > 0)}" for v in a]
+    (tmp_path / "te.csv").write_text("a,b\n1.0,u\n-1.0,v\n")
+    argv = ["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+            "--n-estimators", "1", "-o", str(tmp_path / "p.csv"), "--overwrite"]
+    (tmp_path / "tr.csv").write_text("\r\n".join(["a,b,y", *rows[:20], "", *rows[20:], "0.5,u,", "", "", ""]))
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tr.csv: 1 of 41 rows have no 'y' value; they are left out" in err
+    assert "classification: fitting on 40 rows x 2 features, predicting 2 rows" in err
+    for end in ("\n\n", "\n\n\n\n"):  # stopped after the train table is read: --proba is refused for regression
+        (tmp_path / "tr.csv").write_text("\n".join(["a,b,y", *rows]) + end)
+        assert main([*argv, "--task", "regression", "--proba"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == ["tabfm predict: error: --proba is for classification; "
+                                                                 "this target is treated as regression (use --task)"]
+    (tmp_path / "tr.csv").write_text("a,b,y\n\n\n")
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"tabfm predict: error: {tmp_path / 'tr.csv'}: has a header (3 " \
+        "columns) but no rows (only blank lines or missing cells)"
+
+
 def test_integer_labels_stay_integers_and_predict_warnings_are_the_cli_s_lines(tmp_path, capsys):
     """An integer target's labels were written as text (Parquet str), and a warning raised while predicting came out
     as Python's, with tabfm's source path and line."""
