@@ -118,16 +118,6 @@ def parse_separator(text: str) -> str:
     return separator
 
 
-def read_table(path: str, na_values: Sequence[str] | None = None, separator: str | None = None,
-               decimal_comma: bool = False):
-    """A polars DataFrame from a .csv, .tsv or .parquet file (tabfm.table_io.read_table: NA tokens missing, one-line
-    TableError for a file that cannot be read)."""
-    from tabfm import table_io
-
-    return table_io.read_table(path, table_io.NA_VALUES if na_values is None else na_values, separator,
-                               decimal_comma)
-
-
 def infer_task(y) -> tuple[str, str]:
     """(task, why) for --task auto: the number of distinct values decides, not whether they are whole, so integer
     prices and counts are regression while 0/1 or 1..5 labels stay classification; and a target with fractional
@@ -166,7 +156,9 @@ def load_train(args: argparse.Namespace):
 
     from tabfm import table_io
 
-    train = read_table(args.train, _na(args), args.separator, args.decimal_comma)
+    # the target also as the text its cells hold, for a classifier's labels (_labels_as_written)
+    train, target_text = table_io.read_table_and_text(args.train, args.target, _na(args), args.separator,
+                                                      args.decimal_comma)
     _say_short_rows(args, args.train, table_io.short_rows(args.train, args.separator,
                                                           train.get_column(train.columns[-1]).null_count()))
     for column, k, n, others in table_io.mostly_numeric_text(train):
@@ -213,7 +205,7 @@ def load_train(args: argparse.Namespace):
                          "classification target is read as classes anyway: --task classification)")
     task, why = _task(args, y)
     if task == "classification":
-        y = _labels_as_written(args, y, None if labelled.all() else labelled)
+        y = _labels_as_written(y, target_text, None if labelled.all() else labelled)
     if args.proba and task == "regression":
         raise ValueError("--proba is for classification; this target is treated as regression (use --task)")
     if task == "regression" and not (y.dtype.is_numeric() or y.dtype == pl.Boolean):
@@ -226,21 +218,17 @@ def load_train(args: argparse.Namespace):
     return X, y, task, why
 
 
-def _labels_as_written(args: argparse.Namespace, y, labelled):
-    """A classifier's target y as the train file spells it, where reading it as numbers or booleans changed the
-    spelling: '01' read as 1 (written back as 1), '007' and '7' read as one class, TRUE as true. y as it is
-    otherwise (integer labels stay integers, in their numeric order). labelled: the rows kept, or None for all."""
+def _labels_as_written(y, text, labelled):
+    """A classifier's target y as the train file spells it (`text`, its cells as text; None for Parquet), where
+    reading it as numbers or booleans changed the spelling: '01' read as 1 (written back as 1), '007' and '7' read
+    as one class, TRUE as true. y as it is otherwise (integer labels stay integers, in their numeric order).
+    labelled: the rows kept, or None for all."""
     import polars as pl
 
-    from tabfm import table_io
-
-    if y.dtype == pl.String:
+    if y.dtype == pl.String or text is None:
         return y
-    raw = table_io.raw_text_column(args.train, args.target, _na(args), args.separator)
-    if raw is None:
-        return y
-    raw = raw if labelled is None else raw.filter(labelled)
-    return raw if (raw != y.cast(pl.String)).any() else y
+    text = text if labelled is None else text.filter(labelled)
+    return text if (text != y.cast(pl.String)).any() else y
 
 
 def _categorical_columns(args: argparse.Namespace) -> list[str]:

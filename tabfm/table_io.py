@@ -62,16 +62,37 @@ def read_table(path: str | Path, na_values: Sequence[str] = NA_VALUES, separator
 
     Raises TableError (one line, naming the file) for a missing, empty, ragged, non-UTF-8 or mislabelled file.
     """
+    return read_table_and_text(path, None, na_values, separator, decimal_comma)[0]
+
+
+def read_table_and_text(path: str | Path, column: str | None, na_values: Sequence[str] = NA_VALUES,
+                        separator: str | None = None,
+                        decimal_comma: bool = False) -> tuple[pl.DataFrame, pl.Series | None]:
+    """read_table's DataFrame, and its `column` as the text its cells hold (stripped; the NA tokens and empty cells
+    missing) before any reading as numbers or booleans: what a classifier's labels must be written as when '01'
+    would otherwise read as 1, '007' and '7' as one class, or TRUE as true. From one read of the file (reading the
+    column again as text was one more pass over it). The text is None for a Parquet file, whose columns are typed
+    by whoever wrote it, or where there is no such column."""
+    import polars as pl
+
     p, head = _checked_file(path)
     separator = _separator(p, separator)
+    text = None
     if separator is None:
         df = _read_parquet(p, head)
     else:
-        df = _read_text(p, head, separator, na_values)
+        df = _read_text(p, head, separator, na_values, column)
     _check_header(p, df.columns)
     if df.height == 0:
         raise TableError(f"{path}: has a header ({len(df.columns)} columns) but no rows")
-    return _tidy_text(df, na_values, decimal_comma)
+    if separator is not None and column in df.columns:
+        text = df.get_column(column)
+        try:
+            typed = _typed_as_polars(text)
+        except pl.exceptions.PolarsError:  # polars fails on its own inference (an integer past 128 bits): the
+            typed = _read_text(p, head, separator, na_values).get_column(column)  # file read whole raises it
+        df = df.with_columns(typed)
+    return _tidy_text(df, na_values, decimal_comma), None if text is None else _text_cells(text, na_values)
 
 
 def _separator(p: Path, separator: str | None) -> str | None:
@@ -166,13 +187,30 @@ def _read_parquet(p: Path, head: bytes) -> pl.DataFrame:
         raise _read_error(p, None, e) from None
 
 
-def _read_text(p: Path, head: bytes, separator: str, na_values: Sequence[str]) -> pl.DataFrame:
+def _read_text(p: Path, head: bytes, separator: str, na_values: Sequence[str], as_text: str | None = None
+               ) -> pl.DataFrame:
+    """The text file `p` as polars types it, but its column `as_text` (if any) read as text."""
     import polars as pl
 
     try:  # every row decides the column types: a float on row 20,000 of an integer column must not fail
-        return pl.read_csv(p, separator=separator, null_values=list(na_values), infer_schema_length=None)
+        return pl.read_csv(p, separator=separator, null_values=list(na_values), infer_schema_length=None,
+                           schema_overrides=None if as_text is None else {as_text: pl.String})
     except (pl.exceptions.PolarsError, OSError) as e:
         raise _read_error(p, separator, e) from None
+
+
+def _typed_as_polars(text: pl.Series) -> pl.Series:
+    """A text column (as read_csv read it with the file's null values) with the type read_csv gives it when it
+    infers it: the column alone, written as a CSV (quoted where needed, a missing cell empty) and read back, so
+    each rule of polars' inference (integers, Int128 past 64 bits, floats, true/false any case) is polars' own."""
+    import io
+
+    import polars as pl
+
+    buffer = io.BytesIO()
+    pl.DataFrame([text]).write_csv(buffer)
+    buffer.seek(0)
+    return pl.read_csv(buffer, infer_schema_length=None).to_series(0).alias(text.name)
 
 
 def _read_error(p: Path, separator: str | None, e: Exception) -> TableError:
@@ -370,26 +408,6 @@ def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
 
     s = s.str.strip_chars()
     return pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(s.name)).to_series()
-
-
-def raw_text_column(path: str | Path, name: str, na_values: Sequence[str] = NA_VALUES,
-                    separator: str | None = None) -> pl.Series | None:
-    """Column `name` of a text table file as the text its cells hold (stripped; the NA tokens and empty cells
-    missing), before any reading as numbers or booleans: what a classifier's labels must be written as when
-    '01' would otherwise read as 1, or '007' and '7' as one class. None for a Parquet file, whose columns are
-    typed by whoever wrote it."""
-    import polars as pl
-
-    p = Path(path)
-    separator = _separator(p, separator)
-    if separator is None:
-        return None
-    try:
-        column = pl.read_csv(p, separator=separator, columns=[name], infer_schema=False,
-                             null_values=list(na_values)).get_column(name)
-    except (pl.exceptions.PolarsError, OSError) as e:
-        raise _read_error(p, separator, e) from None
-    return _text_cells(column, na_values)
 
 
 def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:

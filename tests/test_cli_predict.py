@@ -117,6 +117,26 @@ def test_class_labels_are_written_as_the_train_file_spells_them(tmp_path, capsys
     assert predicted == [labels[i] for i in k[:20]]  # separable: every label right, and spelled as written
 
 
+def test_the_train_file_is_read_once_for_labels_as_written(tmp_path, capsys, monkeypatch):
+    """Labels read as numbers ('01' as 1) are written as the train file spells them; their text was read in a
+    second pass over the train file, now from the one read."""
+    reads = []
+    read_csv = pl.read_csv
+
+    def counting(source, *args, **kwargs):
+        reads.append(source)
+        return read_csv(source, *args, **kwargs)
+
+    monkeypatch.setattr(pl, "read_csv", counting)
+    a = np.arange(40) % 2
+    (tmp_path / "tr.csv").write_text("a,y\n" + "\n".join(f"{v + 0.01 * i:.2f},0{v + 1}" for i, v in enumerate(a)))
+    (tmp_path / "te.csv").write_text("a\n0.1\n1.1\n")
+    assert main(["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+                 "--n-estimators", "1", "--quiet", "-o", str(tmp_path / "p.csv")]) == 0
+    assert (tmp_path / "p.csv").read_text().splitlines() == ["y", "01", "02"]
+    assert [r for r in reads if str(r).endswith("tr.csv")] == [tmp_path / "tr.csv"]
+
+
 @pytest.mark.parametrize("table, cell", [("train", "-inf"), ("test", "1e400"), ("test", "inf")])
 def test_an_infinite_cell_is_named_with_its_file_and_row(tmp_path, capsys, table, cell):
     rows = {"train": ["a,y"] + [f"{i % 5},{'xy'[i % 2]}" for i in range(30)], "test": ["a"] + ["1"] * 30}

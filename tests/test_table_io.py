@@ -10,7 +10,7 @@ import pytest
 
 from tabfm import table_io
 from tabfm.table_io import (NA_VALUES, TableError, TableScan, decimal_comma_text, mostly_numeric_text, na_tokens,
-                            read_table, thousands_text)
+                            read_table, read_table_and_text, thousands_text)
 
 
 def _write(path, data: bytes | str):
@@ -169,6 +169,37 @@ def test_a_separator_and_decimal_commas(tmp_path):
     assert pl.concat(scan.batches(df.schema, 1)).equals(df.with_columns(pl.col("y").cast(pl.Float64)))
     with pytest.raises(TableError, match=r"column 'a' holds '1,5' \(row 1\) where the train table has numbers"):
         list(TableScan(f, separator=";").batches({"a": pl.Float64}, 10))
+
+
+@pytest.mark.parametrize("cells, dtype, text", [
+    (["01", "2", "NA"], pl.Int64, ["01", "2", None]), (["7", "007", ""], pl.Int64, ["7", "007", None]),
+    (["1.0", "2.50", "1e3"], pl.Float64, ["1.0", "2.50", "1e3"]),
+    (["TRUE", "false", "True"], pl.Boolean, ["TRUE", "false", "True"]),
+    (["99999999999999999999", "1", "?"], pl.Int128, ["99999999999999999999", "1", None]),
+    ([" 3", "4 ", '" 5"'], pl.Int64, ["3", "4", "5"]),  # read as text by polars, numbers once stripped
+    (['"1,5"', "x", '"a ""b"""'], pl.String, ["1,5", "x", 'a "b"']),
+    (["+1", "-0", "NaN"], pl.Int64, ["+1", "-0", None]),  # NaN: a missing-value token
+])
+def test_a_column_read_once_is_typed_as_read_table_types_it_and_kept_as_written(tmp_path, cells, dtype, text):
+    """read_table_and_text gives read_table's frame and the column's text from one read of the file (the text was
+    read in a second pass); its column is typed as polars' own inference types it."""
+    rows = [f"{i},{c},z" for i, c in enumerate(cells)]
+    f = _write(tmp_path / "t.csv", "\r\n".join(["a,y,b", *rows, "", ""]))
+    df, as_written = read_table_and_text(f, "y")
+    assert df.equals(read_table(f)) and df.schema == read_table(f).schema and df.schema["y"] == dtype
+    assert as_written.to_list() == [*text, None]  # polars reads the blank line as a row
+    assert read_table_and_text(f, "nothing")[1] is None
+    pl.read_csv(f).write_parquet(tmp_path / "t.parquet")
+    assert read_table_and_text(tmp_path / "t.parquet", "y")[1] is None  # Parquet's columns come typed
+
+
+def test_a_column_past_128_bits_is_the_error_read_table_gives(tmp_path):
+    f = _write(tmp_path / "t.csv", "a,y\n1,1\n2,999999999999999999999999999999999999999999\n")
+    with pytest.raises(TableError) as err:
+        read_table(f)
+    with pytest.raises(TableError) as again:
+        read_table_and_text(f, "y")
+    assert str(again.value) == str(err.value) and "column 'y'" in str(err.value)
 
 
 def test_missing_file_and_folder(tmp_path):
