@@ -344,7 +344,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="tabfm device: cpu, cuda, auto (default: the estimator's)")
     p.add_argument("--checkpoint", default=None, help="tabfm weights: merged .safetensors or checkpoint folder "
                    "(default: the shipped model)")
-    p.add_argument("--set", nargs="+", default=[], metavar="NAME=VALUE", help="other tabfm estimator parameters")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="NAME=VALUE",
+                   help="other tabfm estimator parameters")
     p.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
     p.add_argument("--reuse-baselines", default=None, metavar="CSV[,CSV]",
                    help="take the baselines' scores from earlier runs' accuracy.csv, or 'stored' for the suites' "

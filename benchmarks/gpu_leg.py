@@ -51,11 +51,21 @@ def stage_at(stages: list[Stage], step: int) -> tuple[Stage, int | None]:
     return stages[index], stages[index + 1].start if index + 1 < len(stages) else None
 
 
+LEG_SETS = {"train.out_dir": "the run folder under the state's", "train.device": "--device",
+            "train.progress": "off, the log is the session's", "train.keep_checkpoints": "0, every checkpoint kept",
+            "train.init_from": "--init-from"}
+"""The settings segment_command gives every pretraining process of a leg, with what sets them instead."""
+
+
 def stage_configs(stages: list[Stage], overrides: list[str], repo: Path) -> list[Any]:
     """The RunConfig of every stage, checked to share one schedule (steps and optim) and one model, so that a
     process of any stage continues the state of another exactly."""
     from tabfm.config import load_config
 
+    for item in overrides:  # each process's command line sets these itself (segment_command): refused there late
+        key = item.split("=", 1)[0].strip()
+        if key in LEG_SETS:
+            raise ValueError(f"--set {key}: a leg sets it itself ({LEG_SETS[key]}); leave it out")
     cfgs = [load_config(repo / s.config, overrides) for s in stages]
     first = cfgs[0]
     for s, c in zip(stages, cfgs, strict=True):

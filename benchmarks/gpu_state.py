@@ -42,12 +42,12 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules, also when loaded by file path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from gpu_leg import (Leg, Stage, device_name, new_history, parse_stages, run_leg, run_segment,  # noqa: E402
-                     stage_at, stage_configs, stop_process)
+from gpu_leg import (LEG_SETS, Leg, Stage, device_name, new_history, parse_stages, run_leg,  # noqa: E402
+                     run_segment, stage_at, stage_configs, stop_process)
 from gpu_statefile import (  # noqa: E402
     HISTORY_FILE, STATE_FILE, committed, pack, read_history, sha256, unpack, write_history)
 
-__all__ = ["Leg", "Stage", "committed", "decide", "main", "new_history", "pack", "parse_stages", "run_segment",
+__all__ = ["LEG_SETS", "Leg", "Stage", "committed", "decide", "main", "new_history", "pack", "parse_stages", "run_segment",
            "stage_at", "stage_configs", "stop_process", "unpack"]
 """The names callers reach through this module (tests/test_gpu_recipe.py), some of them gpu_leg's or
 gpu_statefile's, re-exported."""
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--deadline", type=float, required=True, help="Unix time by which training stops")
     a.add_argument("--started", type=float, default=time.time(), help="Unix time the lease's script started")
     a.add_argument("--stage", action="append", required=True, metavar="CONFIG:FIRST_STEP")
-    a.add_argument("--set", nargs="*", default=[], metavar="A.B=C", help="overrides for every stage")
+    a.add_argument("--set", nargs="*", action="extend", default=[], metavar="A.B=C", help="overrides for every stage")
     a.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     a.add_argument("--init-from", default="tabfm/weights/tabfm-small.safetensors",
                    help="weights of the recipe's step 0, relative to --repo ('' = from scratch)")

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="a pretraining run config (plans the TabFM it trains, e.g. "
                    "configs/pretrain/large.yaml) or a plan config with a plain transformer (model: {kind: "
                    "transformer, ...}, e.g. configs/plan/transformer_small.yaml); either may hold a `plan:` section")
-    p.add_argument("--set", nargs="+", default=[], metavar="A.B=C",
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="A.B=C",
                    help="override config fields, e.g. model.depth=4 plan.chunks=[1,2]")
     p.add_argument("--nproc", type=int, required=True, help="tensor-parallel ranks N = d0 * d1")
     p.add_argument("--topology", default="measure",

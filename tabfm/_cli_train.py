@@ -16,7 +16,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (dp * d0 * d1)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failed rank")
     p.add_argument("--config", help="YAML run config (required): configs/pretrain/{tiny,small,large}.yaml or yours")
-    p.add_argument("--set", nargs="+", default=[], metavar="A.B=C", help="override config fields")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="A.B=C", help="override config fields")
     add_run_dir_arguments(p)
     p.set_defaults(run=_pretrain)
 

@@ -247,6 +247,8 @@ BAD_CONFIGS = {
                                      "needs 4 processes but 3 were started"),
     "a key set twice": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=5", "train.steps=6"],
                         "--set train.steps is given twice ('train.steps=5', then 'train.steps=6'); give it once"),
+    "a key set twice over two --set options": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=5", "--set",
+                                                 "train.steps=6"], "--set train.steps is given twice"),
     "a word for a number": (["--set", "parallel.d0=2", "parallel.d1=2", "train.steps=ten"],
                             "train.steps must be an integer"),
     "a misspelled topology preset": (["--set", "parallel.layout=auto", "parallel.topology=nvswitch9"],

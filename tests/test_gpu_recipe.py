@@ -84,6 +84,9 @@ def test_stage_configs_differ_only_in_rows_and_share_one_schedule():
         gpu_state.stage_configs([stages[0], gpu_state.Stage(stages[1].config, 1510)], [], ROOT)
     with pytest.raises(ValueError, match="share one schedule"):
         gpu_state.stage_configs([stages[0], gpu_state.Stage("configs/pretrain/small.yaml", 1500)], [], ROOT)
+    for key in gpu_state.LEG_SETS:  # a leg sets these on each process's command line, where a repeat is refused
+        with pytest.raises(ValueError, match=f"--set {key}: a leg sets it itself"):
+            gpu_state.stage_configs(stages, ["train.steps=4000", f" {key} =x"], ROOT)
 
 
 def test_pack_unpack_is_bit_exact_and_resumes_like_an_uninterrupted_run(tmp_path):
