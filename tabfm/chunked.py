@@ -11,8 +11,10 @@ attention runs in two passes over chunks of rows:
 
 Peak memory is then the cells x [B, R, C, E] once, the caches, and one chunk's temporaries, instead of a dozen
 [B, R, C, E] tensors. The result equals TabFM.encode_context up to the order of floating-point sums (1e-10 in
-float64, tests/test_inference.py). Contexts of at most ROW_CHUNK rows, and tensor-parallel models (whose layers
-shard rows and widths themselves), take TabFM.encode_context unchanged.
+float64, tests/test_inference.py). Tensor-parallel models (whose layers shard rows and widths themselves) take
+TabFM.encode_context unchanged; a context of at most ROW_CHUNK rows is one chunk here, since this path also stops
+the last in-context block at its keys/values (what TabFM.encode_context does after them, that block's attention
+and MLP and the head on every train row, is never read).
 
 Shapes: B tables, R rows (all train rows), C columns, E cell width, D row width, nh heads, dh head width.
     x      [B, R, C, E]        cells, overwritten block by block
@@ -88,11 +90,12 @@ def column_cache(column: nn.Module, x: torch.Tensor, chunks: list[slice]) -> KVC
 @torch.no_grad()
 def encode_context_chunked(model: TabFM, batch: Batch, row_chunk: int | None = None) -> Context:
     """TabFM.encode_context(batch) computed `row_chunk` rows (default ROW_CHUNK, read at call time) at a time
-    (module docstring); the model's own encode_context for a tensor-parallel model or a context of at most
-    `row_chunk` rows."""
+    (module docstring), without running the last in-context block past its keys/values (its outputs for the train
+    rows feed nothing a test row reads: the model's own encoding ran it, and its head, on every train row); the
+    model's own encode_context for a tensor-parallel model."""
     B, R, C = batch.values.shape
     chunks = row_chunks(R, ROW_CHUNK if row_chunk is None else row_chunk)
-    if len(chunks) == 1 or not is_plain(model):
+    if not is_plain(model):
         return model.encode_context(batch)
     if bool(batch.row_pad.any()) or int(batch.n_train.min()) != R or int(batch.n_train.max()) != R:
         return model.encode_context(batch)  # raises its one-line error about what a context batch must be
@@ -112,9 +115,11 @@ def encode_context_chunked(model: TabFM, batch: Batch, row_chunk: int | None = N
     h = torch.cat([model.compress(x[:, rows], batch.col_pad) for rows in chunks], dim=1)  # [B, R, D]
     del x
     h = h + labels
-    for block in model.icl.blocks.blocks:
+    *inner, last = model.icl.blocks.blocks
+    for block in inner:
         caches.append(record_cache(block, h, chunks))
         for rows in chunks:
             h[:, rows] = block(h[:, rows], num_kv=kv.count, attn_mask=None, cache=caches[-1])
+    caches.append(record_cache(last, h, chunks))  # its outputs for the train rows feed nothing a test row reads
     return Context(task=batch.task, n_train=R, num_columns=C, n_classes=batch.n_classes.clone(), cell_stats=stats,
                    target_stats=model.target_stats(batch) if batch.task == "regression" else None, caches=caches)

@@ -148,6 +148,29 @@ def test_context_encoded_in_row_chunks_equals_one_pass(task):
         encode_context(model, train, row_chunk=0)
 
 
+def test_encoding_records_the_last_in_context_blocks_keys_without_running_it():
+    """The last in-context block's outputs for the train rows feed nothing a test row reads (only its keys/values
+    do), so encoding records its cache and stops there, in one chunk or several: the context is the one-pass
+    context and the test rows' logits are a forward's."""
+    model, batch = tiny_model().eval(), full_table("classification")
+    train = rows_of(batch, slice(0, TRAIN), TRAIN)
+    runs = []
+    *_, last = model.icl.blocks.blocks
+    for block in (last, model.icl.blocks.blocks[0]):
+        block.register_forward_hook(lambda module, args, out, block=block: runs.append(block is last))
+    whole = model.encode_context(train)
+    assert runs.count(True) == 1  # the model's own encoding runs it
+    with torch.no_grad():
+        full = model(batch)[:, TRAIN:]
+    for row_chunk in (None, 3):
+        runs.clear()
+        context = encode_context(model, train, row_chunk)
+        assert runs and not any(runs)  # the first block ran (per chunk), the last never
+        for a, b in zip(whole.caches, context.caches, strict=True):
+            assert max((a.k - b.k).abs().max(), (a.v - b.v).abs().max()) <= TOL
+        assert (predict_logits(model, context, rows_of(batch, slice(TRAIN, ROWS), 0)) - full).abs().max() <= TOL
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Inducing column attention (tabfm.column_stage): the column stage's cache holds the M summaries' keys/values
 # ---------------------------------------------------------------------------------------------------------
