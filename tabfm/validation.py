@@ -174,14 +174,17 @@ def check_class_labels(y: Any) -> np.ndarray:
 
 
 def _nullable_as_numpy(y: Any) -> Any:
-    """A pandas Series or one-column DataFrame of nullable integers or booleans (Int64, UInt8, boolean) with no
-    missing value as numpy integers or booleans of the same shape; anything else as it is. column_or_1d reads them
-    as float64, so labels True/False came back from predict as 1.0/0.0 and 1/2 as 1.0/2.0. With a missing value
-    they stay as they are and are refused as missing labels."""
-    dtypes = getattr(y, "dtypes", None)
-    if not hasattr(y, "isna") or dtypes is None:
+    """A pandas Series, array (pd.array) or one-column DataFrame of nullable integers or booleans (Int64, UInt8,
+    boolean) with no missing value as numpy integers or booleans of the same shape; anything else as it is.
+    column_or_1d reads them as float64, so labels True/False came back from predict as 1.0/0.0 and 1/2 as 1.0/2.0.
+    With a missing value they stay as they are and are refused as missing labels."""
+    if not hasattr(y, "isna"):
         return y
-    dtype = dtypes if getattr(y, "ndim", 1) == 1 else (dtypes.iloc[0] if len(dtypes) == 1 else None)
+    if getattr(y, "ndim", 1) == 1:
+        dtype = getattr(y, "dtype", None)
+    else:
+        dtypes = getattr(y, "dtypes", None)
+        dtype = dtypes.iloc[0] if dtypes is not None and len(dtypes) == 1 else None
     numpy_dtype = getattr(dtype, "numpy_dtype", None)
     if numpy_dtype is None or np.dtype(numpy_dtype).kind not in "iub" or np.asarray(y.isna()).any():
         return y

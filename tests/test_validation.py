@@ -158,6 +158,9 @@ def test_other_bad_labels():
     (pd.Series([2, 1, 2, 1], dtype="UInt8"), np.array([2, 1, 2, 1], np.uint8)),
     (pd.Series([True, False, True, False], dtype="boolean"), np.array([True, False, True, False])),
     (pd.Series([2.0, 1.0, 2.0, 1.0], dtype="Float64"), np.array([2.0, 1.0, 2.0, 1.0])),  # floats stay floats
+    (pd.array([True, False, True, False], dtype="boolean"), np.array([True, False, True, False])),  # arrays too
+    (pd.array([2, 1, 2, 1], dtype="Int64"), np.array([2, 1, 2, 1], np.int64)),
+    (pd.DataFrame({"y": pd.array([2, 1, 2, 1], dtype="Int16")}), np.array([2, 1, 2, 1], np.int16)),
 ])
 def test_pandas_nullable_labels_keep_their_type(y, expected):
     """scikit-learn's column_or_1d reads nullable integers and booleans as float64: a classifier fitted on
