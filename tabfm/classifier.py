@@ -57,8 +57,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     max_features : int or None, default=24
         Each member of a table with more kept columns sees a random subset of this many (the members together
         see every column, or, on tables wider than n_estimators x max_features, the columns that explain most
-        of y alone); None: every member sees all columns (at most the model's 100). The shipped model was
-        pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables wider than that.
+        of y alone); None: every member sees all columns, on tables of at most the model's 100 (a wider table
+        is refused: set max_features). The shipped model was pretrained mostly on narrow tables: subsets of 24
+        were better on 7 of the 9 tables wider than that.
     checkpoint : str, path or None, default=None
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
     categorical_features : "auto", list of int or str, or boolean mask, default="auto"
