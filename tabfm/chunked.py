@@ -11,10 +11,12 @@ attention runs in two passes over chunks of rows:
 
 Peak memory is then the cells x [B, R, C, E] once, the caches, and one chunk's temporaries, instead of a dozen
 [B, R, C, E] tensors. The result equals TabFM.encode_context up to the order of floating-point sums (1e-10 in
-float64, tests/test_inference.py). Tensor-parallel models (whose layers shard rows and widths themselves) take
-TabFM.encode_context unchanged; a context of at most ROW_CHUNK rows is one chunk here, since this path also stops
-the last in-context block at its keys/values (what TabFM.encode_context does after them, that block's attention
-and MLP and the head on every train row, is never read).
+float64, tests/test_inference.py). Contexts of at most ROW_CHUNK rows, and tensor-parallel models (whose layers
+shard rows and widths themselves), take TabFM.encode_context unchanged. Here the last in-context block stops at its
+keys/values: what TabFM.encode_context does after them (that block's attention and MLP, and the head, on every
+train row) is never read. In one chunk this path costs as much as it saves (each attention's keys/values are made
+twice, for the cache and in the block: 46-57 ms against 46 ms for 3 contexts of 256 rows x 20 columns), so it
+is taken only where the rows need chunks.
 
 Shapes: B tables, R rows (all train rows), C columns, E cell width, D row width, nh heads, dh head width.
     x      [B, R, C, E]        cells, overwritten block by block
@@ -91,11 +93,11 @@ def column_cache(column: nn.Module, x: torch.Tensor, chunks: list[slice]) -> KVC
 def encode_context_chunked(model: TabFM, batch: Batch, row_chunk: int | None = None) -> Context:
     """TabFM.encode_context(batch) computed `row_chunk` rows (default ROW_CHUNK, read at call time) at a time
     (module docstring), without running the last in-context block past its keys/values (its outputs for the train
-    rows feed nothing a test row reads: the model's own encoding ran it, and its head, on every train row); the
-    model's own encode_context for a tensor-parallel model."""
+    rows feed nothing a test row reads); the model's own encode_context for a tensor-parallel model or a context
+    of at most `row_chunk` rows."""
     B, R, C = batch.values.shape
     chunks = row_chunks(R, ROW_CHUNK if row_chunk is None else row_chunk)
-    if not is_plain(model):
+    if len(chunks) == 1 or not is_plain(model):
         return model.encode_context(batch)
     if bool(batch.row_pad.any()) or int(batch.n_train.min()) != R or int(batch.n_train.max()) != R:
         return model.encode_context(batch)  # raises its one-line error about what a context batch must be
