@@ -10,7 +10,8 @@
     missing      None, NaN, NaT, null and pd.NA are missing cells; inf is an error; a column with no value in a
                  predict batch reads as missing cells of its fit-time kind
     constant     a column with one value and no missing cell, or with no value at all, carries nothing and is
-                 dropped at fit (at predict it is still expected, and not read)
+                 dropped at fit (at predict it is still expected, and not read); so is, with a warning, a
+                 categorical column with a different value in each of at least ID_ROWS train rows (an id)
     categories   the train rows' categories are codes 0..n-1 in the order of their dtype (a pandas categorical's
                  categories, a polars Enum's), else numeric when every category is a number ("2" < "10"), else
                  sorted as strings; the fitted list defines the codes at predict. A category first seen at predict
@@ -49,6 +50,10 @@ SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
 UNSEEN_SHOWN = 5
 """Columns named in the warning about unseen categories at predict (the rest are counted)."""
+ID_ROWS = 30
+"""A categorical column with a different value in every one of at least this many train rows (an id, a name, a
+free-text note) is left out at fit, with a warning: no other row can share one of its values, so every test row's
+would read as missing, while the trees could split the train rows on its arbitrary order."""
 POWER_FIT_ROWS = 500
 """Train rows (a fixed random subset) that the Yeo-Johnson exponents are fitted on: 500 rows pin an exponent down
 well, and the search's cost grows with the rows (tabfm.yeo_johnson)."""
@@ -183,7 +188,7 @@ class TablePreprocessor:
         forced = self._forced(names)
         columns: list[Column] = []
         raw_numeric = []
-        numeric_text = []
+        numeric_text, ids = [], []
         for i, (name, col) in enumerate(zip(names, cols, strict=True)):
             kind, raw, values = raw_column(col, name)
             if kind == "numeric" and np.isinf(raw).any():
@@ -201,11 +206,19 @@ class TablePreprocessor:
                 cats = _fit_categories(raw, dtype_categories(col))
                 if not cats or (len(cats) == 1 and all(v is not None for v in raw)):
                     continue  # constant, or no value at all
+                if len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
+                    ids.append(name)
+                    continue
                 columns.append(Column(name, i, "categorical", cats))
                 if i not in forced and not has_categorical_dtype(col) and _mostly_numbers(raw):
                     numeric_text.append(name)
         if numeric_text:
             warnings.warn(_numeric_text_warning(numeric_text), NumericTextWarning, stacklevel=2)
+        if ids:
+            shown = ", ".join(repr(n) for n in ids)
+            warnings.warn(f"column(s) {shown} hold a different value in every train row (ids?) and are left out: no "
+                          "new row can share one of their values; drop them to silence this", UserWarning,
+                          stacklevel=2)
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
         # each column divided by its largest train magnitude first: every transform below is scale-free, and

@@ -32,8 +32,10 @@ def _auto_cfg(tmp_path: Path, *extra: str, write_preset: bool = True):
     preset = tmp_path / "pairs.yaml"
     if write_preset:
         preset.write_text(PAIRS)
-    return load_config(TINY, [f"train.out_dir={tmp_path / 'run'}", "train.steps=1", "train.checkpoint_every=0",
-                              "parallel.layout=auto", f"parallel.topology={preset}", *extra])
+    sets = {"train.out_dir": tmp_path / "run", "train.steps": 1, "train.checkpoint_every": 0,
+            "parallel.layout": "auto", "parallel.topology": preset}
+    sets.update(item.split("=", 1) for item in extra)  # an extra's key replaces the default's: --set takes it once
+    return load_config(TINY, [f"{key}={value}" for key, value in sets.items()])
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,26 @@ def test_mostly_unseen_categories_at_predict_warn_naming_the_column():
                                                             "s": ["x", "new", "y", None]}))) == []
 
 
+def test_a_categorical_column_with_a_different_value_in_every_row_is_left_out_with_a_warning():
+    """An id column (a different value in each of at least ID_ROWS train rows, missing cells aside) is dropped at
+    fit with one warning naming it: at predict every new row's value would read as missing (and warn as unseen)."""
+    from tabfm.preprocess import ID_ROWS
+
+    n = ID_ROWS + 10
+    rng = np.random.default_rng(0)
+    X = pd.DataFrame({"id": [f"c{i:04d}" for i in range(n)], "x": rng.normal(size=n),
+                      "few": [f"n{i:04d}" for i in range(ID_ROWS - 1)] + ["n0000"] * 11,  # one repeat: kept
+                      "note": [None if i % 4 == 0 else f"t{i}" for i in range(n)]})  # distinct where present
+    pre = TablePreprocessor()
+    (message,) = _warnings_of(lambda: pre.fit(X))
+    assert "'id'" in message and "'note'" in message and "'few'" not in message and "left out" in message
+    assert [c.name for c in pre.columns_] == ["x", "few"]
+    new = X.assign(id=[f"z{i}" for i in range(n)], note=[f"u{i}" for i in range(n)])
+    assert _warnings_of(lambda: pre.transform(new)) == []  # not read, so no unseen values to warn about
+    small = X.iloc[:ID_ROWS - 1]  # fewer rows than ID_ROWS: kept as categories
+    assert "id" in [c.name for c in _fit_quietly(small).columns_]
+
+
 # -- 5. column names that scikit-learn does not check (not all strings) -----------------------------------------
 
 @pytest.mark.parametrize("columns", [[0, 1, 2], [("a", 1), ("a", 2), ("b", 1)],
