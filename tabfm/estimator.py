@@ -523,11 +523,13 @@ class _TabFMBase(BaseEstimator):
         `targets`, where the calibration weighs trees in (tree_blend, and `folds` to score them on); else None.
         Their threads: on a CPU one, as the forwards hold the n_jobs threads (two OpenMP teams on the same cores
         made a 1,000-row fit 1.7x slower on two cores, spinning); on an accelerator, whose forwards leave the host
-        idle, n_jobs less the one that launches the device's work."""
+        idle, n_jobs less the one that launches the device's work. The fit on every row starts ahead of the trees'
+        weight only where they grow one tree per round (tabfm.tree_fits)."""
         if not (self.tree_blend and folds):
             return contextlib.nullcontext()
         threads = 1 if self.device_.type == "cpu" else max(1, torch.get_num_threads() - 1)
-        return TreeFits(self.train_cells_, targets, n_classes, self.tree_seed_, folds, threads)
+        return TreeFits(self.train_cells_, targets, n_classes, self.tree_seed_, folds, threads,
+                        ahead=n_classes is None or n_classes <= 2)
 
     def _fit_tree_model(self, trees: TreeFits | None = None) -> None:
         """tree_model_: the trees on every train row where they have a weight (those of `trees` where given),
