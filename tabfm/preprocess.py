@@ -50,6 +50,13 @@ SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
 UNSEEN_SHOWN = 5
 """Columns named in the warning about unseen categories at predict (the rest are counted)."""
+FAR_PEAKS = 10.0
+"""A predict batch's numeric column whose present cells are mostly larger in magnitude than this many times the
+largest of its train rows gets a warning naming it: such values are squeezed next to the train rows' extremes, so
+a column given in other units than at fit (millimetres for metres) would be read as its largest train values
+without a word. Measured against the largest train magnitude, not the train rows' deviation: a column of nearly
+equal values (100.0-100.2) or mostly zeros has a tiny deviation that real test values exceed a thousandfold (one
+row of two of the 465 folds of the suites did, in a first try)."""
 ID_ROWS = 30
 """A categorical column with a different value in every one of at least this many train rows (an id, a name, a
 free-text note) is left out at fit, with a warning: no other row can share one of its values, so every test row's
@@ -271,6 +278,8 @@ class TablePreprocessor:
         is_cat = np.zeros(C, bool)
         n_cats = np.zeros(C, np.int64)
         unseen: list[str | None] = []
+        far: list[str] = []
+        numeric_index = 0  # the column's position among the numeric ones (peak_, bounds_)
         for j, c in enumerate(self.columns_):
             kind, raw, now = raw_column(cols[c.index], c.name)
             if c.kind == "numeric":
@@ -287,6 +296,9 @@ class TablePreprocessor:
                     raise ValueError(f"column {c.name!r} held {c.values} at fit but {now} now; pass {c.values} as at "
                                      f"fit (both reach the model as numbers, so these would be read as {c.values})")
                 values[:, j] = raw
+                note = self._far_note(c, numeric_index, raw)
+                far += [note] if note else []
+                numeric_index += 1
             else:
                 if kind == "numeric":
                     raw = np.array([None if math.isnan(v) else category_string(v) for v in raw], dtype=object)
@@ -299,7 +311,23 @@ class TablePreprocessor:
             warnings.warn(f"categorical columns hold mostly values never seen at fit, which read as missing: "
                           f"{'; '.join(notes[:UNSEEN_SHOWN])}{more}. Pass the values as at fit (the same strings or "
                           "types, not codes of them)", UserWarning, stacklevel=2)
+        if far:
+            more = f"; and {len(far) - UNSEEN_SHOWN} more columns" if len(far) > UNSEEN_SHOWN else ""
+            warnings.warn(f"numeric columns hold mostly values over {FAR_PEAKS:g} times larger than any of their "
+                          f"train rows', which read as the train rows' extremes: "
+                          f"{'; '.join(far[:UNSEEN_SHOWN])}{more}. Check their units against fit's", UserWarning,
+                          stacklevel=2)
         return Cells(values, codes, is_cat, n_cats)
+
+    def _far_note(self, c: Column, k: int, raw: np.ndarray) -> str | None:
+        """A note naming numeric column c (the k-th numeric one) where most present cells of `raw` exceed FAR_PEAKS
+        times its largest train magnitude, or None. It names no counts, as _unseen_note."""
+        present = raw[~np.isnan(raw)]
+        outside = np.abs(present) > FAR_PEAKS * self.peak_[k]
+        if not len(present) or 2 * int(outside.sum()) <= len(present):
+            return None
+        return (f"column {c.name!r} (e.g. {present[np.flatnonzero(outside)[0]]:.6g}; at fit at most "
+                f"{self.peak_[k]:.6g} in magnitude)")
 
     def _check_names(self, X: Any, names: list[str]) -> None:
         """A table with column names must name its columns as at fit (as strings, in order): scikit-learn checks

@@ -166,6 +166,29 @@ def test_a_categorical_column_with_a_different_value_in_every_row_is_left_out_wi
     assert "id" in [c.name for c in _fit_quietly(small).columns_]
 
 
+def test_numeric_values_mostly_far_outside_the_train_rows_warn_naming_the_column():
+    """A column given in other units than at fit (millimetres for metres) is squeezed next to the train rows'
+    extremes: a warning names it when most of a batch's present cells exceed FAR_PEAKS times its largest train
+    magnitude; values inside, a minority far out, missing cells, and a value thousands of deviations from a column
+    of nearly equal values (within its magnitude) do not warn."""
+    rng = np.random.default_rng(0)
+    n = 200
+    X = pd.DataFrame({"metres": rng.normal(5, 1, n), "ok": rng.normal(size=n), "zeros": [0.0] * (n - 1) + [7.0],
+                      "near": 100 + 0.001 * rng.normal(size=n)})
+    pre = _fit_quietly(X)
+    mm = X.assign(metres=X["metres"] * 1000)
+    (message,) = _warnings_of(lambda: pre.transform(mm))
+    assert "'metres'" in message and "'ok'" not in message and "units" in message and "\n" not in message
+    assert _warnings_of(lambda: pre.transform(mm.iloc[:1])) == [message]  # one row: the same words
+    assert _warnings_of(lambda: pre.transform(X)) == []
+    some = X.assign(metres=np.where(np.arange(n) < n // 3, X["metres"] * 1000, X["metres"]))  # a minority
+    assert _warnings_of(lambda: pre.transform(some)) == []
+    assert _warnings_of(lambda: pre.transform(X.assign(metres=np.nan, zeros=69.0))) == []  # 9.9x the largest
+    assert _warnings_of(lambda: pre.transform(X.assign(zeros=71.0))) != []
+    assert _warnings_of(lambda: pre.transform(X.assign(near=100.83))) == []  # 800 deviations out, same magnitude
+    assert _warnings_of(lambda: pre.transform(X.assign(ok=1e300))) != []
+
+
 # -- 5. column names that scikit-learn does not check (not all strings) -----------------------------------------
 
 @pytest.mark.parametrize("columns", [[0, 1, 2], [("a", 1), ("a", 2), ("b", 1)],
