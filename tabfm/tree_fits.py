@@ -29,9 +29,9 @@ from tabfm.tree_base import TreeModel, fit_trees
 
 
 class TreeFits:
-    """The trees of each fold's kept rows and of every row (started with the others where `ahead`, else when first
-    asked for), fitted in order on one thread of `threads` OpenMP threads. Use as a context manager: leaving the
-    block drops the fits not yet started (and, after an exception, does not wait for the running one)."""
+    """The trees of each fold's kept rows and (where `ahead`) of every row, fitted in order on one thread of
+    `threads` OpenMP threads. Use as a context manager: leaving the block drops the fits not yet started (and,
+    after an exception, does not wait for the running one)."""
 
     def __init__(self, cells: Cells, targets: np.ndarray, n_classes: int | None, seed: int,
                  folds: list[np.ndarray], threads: int, ahead: bool = True):
@@ -49,9 +49,10 @@ class TreeFits:
         return self._folds[fold].result()
 
     def all_rows_model(self) -> TreeModel:
-        """The trees fitted on every train row (started now unless they were started ahead; waits for them)."""
+        """The trees fitted on every train row: those started ahead (waits for them), or fitted now on the calling
+        thread, with its threads (the forwards are done by then: nothing to run beside)."""
         if self._all is None:
-            self._all = self._pool.submit(fit_trees, *self._all_rows)
+            return fit_trees(*self._all_rows)
         return self._all.result()
 
     def __enter__(self) -> TreeFits:

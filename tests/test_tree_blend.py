@@ -259,19 +259,23 @@ def _three_steps(n: int, seed: int = 0):
 @pytest.mark.parametrize("tree_weight", [0.0, None])
 def test_with_more_than_two_classes_the_trees_on_every_row_wait_for_their_weight(monkeypatch, tree_weight):
     """Each round grows a tree per class, so the fit on every train row is not started ahead: only once the
-    weight is known and above 0 (tabfm.tree_fits); with two classes it is started ahead (the test above)."""
+    weight is known and above 0, on the fit's own thread (tabfm.tree_fits); with two classes it is started ahead
+    (the test above)."""
+    import threading
+
     from tabfm import tree_fits
 
     fitted = []
     real_fit, real_choice = tree_fits.fit_trees, calibration.best_tree_blend
-    monkeypatch.setattr(tree_fits, "fit_trees", lambda cells, *a: fitted.append(len(cells.values)) or real_fit(
-        cells, *a))
+    monkeypatch.setattr(tree_fits, "fit_trees", lambda cells, *a: fitted.append(
+        (len(cells.values), threading.current_thread().name.startswith("tabfm-trees"))) or real_fit(cells, *a))
     if tree_weight is not None:  # the held rows' choice, but the trees weighed out
         monkeypatch.setattr(calibration, "best_tree_blend", lambda *a: (*real_choice(*a)[:3], tree_weight))
     X, y = _three_steps(500)
     clf = TabFMClassifier(**FAST).fit(X[:400], y[:400])
     assert (clf.tree_weight_ > 0) == (tree_weight is None) and (clf.tree_model_ is None) == (tree_weight == 0)
-    assert fitted[0] < 400 and fitted[1:] == [400] * (tree_weight is None)  # the held fold's kept rows, then all
+    # the held fold's kept rows on the trees' thread, then every row on the fit's
+    assert fitted[0][0] < 400 and fitted[0][1] and fitted[1:] == [(400, False)] * (tree_weight is None)
     assert not _tree_threads_left()
 
 
