@@ -330,8 +330,8 @@ def _counting_empty_rows(batches, count: list[int]):
 
 @contextlib.contextmanager
 def _warnings_as_lines(args: argparse.Namespace):
-    """Python warnings raised while predicting (e.g. categories never seen at fit) as the CLI's own warning lines,
-    not as a source path, a line number and the line of tabfm that warned."""
+    """Python warnings raised while fitting or predicting (e.g. an id column left out, categories never seen at
+    fit) as the CLI's own warning lines, not as a source path, a line number and the line of tabfm that warned."""
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = lambda message, *rest, **kw: _say(args, str(message), warning=True)
@@ -386,7 +386,7 @@ def fit(args: argparse.Namespace, X, y, task: str):
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text
     y_values = y.to_numpy() if task == "regression" or y.dtype.is_numeric() else y.cast(pl.String).to_numpy()
-    with warnings.catch_warnings():
+    with _warnings_as_lines(args):  # e.g. an id column left out: a warning line, not a source path
         warnings.simplefilter("ignore", NumericTextWarning)  # read_tables said it already, with the CLI's remedy
         return est.fit(X, y_values)
 

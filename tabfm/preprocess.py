@@ -57,6 +57,10 @@ a column given in other units than at fit (millimetres for metres) would be read
 without a word. Measured against the largest train magnitude, not the train rows' deviation: a column of nearly
 equal values (100.0-100.2) or mostly zeros has a tiny deviation that real test values exceed a thousandfold (one
 row of two of the 465 folds of the suites did, in a first try)."""
+FAR_CLIP = 1e6
+"""Numeric values past this many times their column's largest train magnitude are read as that many: the model
+reads them as its train rows' extremes anyway (numeric_bounds squeezes them), and 1e308 in a column whose train rows
+reached 0.5 overflowed to inf in the division and failed the scaler ("Input X contains infinity")."""
 ID_ROWS = 30
 """A categorical column with a different value in every one of at least this many train rows (an id, a name, a
 free-text note) is left out at fit, with a warning: no other row can share one of its values, so every test row's
@@ -213,19 +217,20 @@ class TablePreprocessor:
                 cats = _fit_categories(raw, dtype_categories(col))
                 if not cats or (len(cats) == 1 and all(v is not None for v in raw)):
                     continue  # constant, or no value at all
-                if len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
-                    ids.append(name)
+                numbers_as_text = i not in forced and not has_categorical_dtype(col) and _mostly_numbers(raw)
+                if not numbers_as_text and len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
+                    ids.append(name)  # (numbers read as text get the advice to convert them instead)
                     continue
                 columns.append(Column(name, i, "categorical", cats))
-                if i not in forced and not has_categorical_dtype(col) and _mostly_numbers(raw):
+                if numbers_as_text:
                     numeric_text.append(name)
         if numeric_text:
             warnings.warn(_numeric_text_warning(numeric_text), NumericTextWarning, stacklevel=2)
         if ids:
             shown = ", ".join(repr(n) for n in ids)
-            warnings.warn(f"column(s) {shown} hold a different value in every train row (ids?) and are left out: no "
-                          "new row can share one of their values; drop them to silence this", UserWarning,
-                          stacklevel=2)
+            warnings.warn(f"column(s) {shown} hold a different value in every train row that has one (ids?) and are "
+                          "left out: no new row can share one of their values; drop them from the table to silence "
+                          "this", UserWarning, stacklevel=2)
         self.columns_ = columns
         numeric = np.stack(raw_numeric, 1) if raw_numeric else np.zeros((n, 0))
         # each column divided by its largest train magnitude first: every transform below is scale-free, and
@@ -321,13 +326,16 @@ class TablePreprocessor:
 
     def _far_note(self, c: Column, k: int, raw: np.ndarray) -> str | None:
         """A note naming numeric column c (the k-th numeric one) where most present cells of `raw` exceed FAR_PEAKS
-        times its largest train magnitude, or None. It names no counts, as _unseen_note."""
+        times its largest train magnitude, or None; never for dates, times or durations (dates after the train
+        rows' are no error of units). Its words depend on the column only (no example of this batch), so that
+        predicting batch after batch (tabfm predict) repeats the same text, which the default filter shows once."""
         present = raw[~np.isnan(raw)]
-        outside = np.abs(present) > FAR_PEAKS * self.peak_[k]
-        if not len(present) or 2 * int(outside.sum()) <= len(present):
+        if c.values not in (None, "numbers") or not len(present):
             return None
-        return (f"column {c.name!r} (e.g. {present[np.flatnonzero(outside)[0]]:.6g}; at fit at most "
-                f"{self.peak_[k]:.6g} in magnitude)")
+        outside = np.abs(present) / FAR_PEAKS > self.peak_[k]  # divided: FAR_PEAKS x 1e308 would overflow
+        if 2 * int(outside.sum()) <= len(present):
+            return None
+        return f"column {c.name!r} (at fit at most {self.peak_[k]:.6g} in magnitude)"
 
     def _check_names(self, X: Any, names: list[str]) -> None:
         """A table with column names must name its columns as at fit (as strings, in order): scikit-learn checks
@@ -352,7 +360,8 @@ class TablePreprocessor:
         if not numeric:
             return values.copy()
         every = len(numeric) == values.shape[1]  # then whole arrays, not a gather and a scatter of every cell
-        x = (values if every else values[:, numeric]) / self.peak_
+        with np.errstate(over="ignore"):  # a value past float64's range once divided (1e308 / 0.5) is the largest
+            x = np.clip((values if every else values[:, numeric]) / self.peak_, -FAR_CLIP, FAR_CLIP)
         if getattr(self, "bounds_", None) is not None:  # absent in an estimator saved before the bounds existed
             x = self.bounds_.apply(x)
         if self.scalers_[kind] is not None:

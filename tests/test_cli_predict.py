@@ -658,6 +658,22 @@ def test_integer_labels_stay_integers_and_predict_warnings_are_the_cli_s_lines(t
     assert "UserWarning" not in err and ".py:" not in err
 
 
+def test_a_warning_raised_while_fitting_is_a_cli_line(tmp_path, capsys):
+    """An id column left out at fit warned as Python's warning, with tabfm's source path and line (only predicting
+    was wrapped)."""
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=40)
+    pl.DataFrame({"a": a, "name": [f"n{i}" for i in range(40)], "y": (a > 0).astype(np.int64)}).write_csv(
+        tmp_path / "tr.csv")
+    pl.DataFrame({"a": [1.0, -1.0], "name": ["z1", "z2"]}).write_csv(tmp_path / "te.csv")
+    argv = ["predict", "--train", str(tmp_path / "tr.csv"), "--target", "y", "--test", str(tmp_path / "te.csv"),
+            "--n-estimators", "1", "--quiet", "-o", str(tmp_path / "p.csv")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tabfm predict: warning: column(s) 'name' hold a different value in every train row" in err
+    assert "UserWarning" not in err and ".py:" not in err and "never seen at fit" not in err
+
+
 def test_n_jobs_reaches_the_estimator(tables, monkeypatch):
     """--n-jobs is the estimators' n_jobs: the threads of a shared machine's share (a fuzzer found no way to set
     them but OMP_NUM_THREADS)."""

@@ -189,6 +189,43 @@ def test_numeric_values_mostly_far_outside_the_train_rows_warn_naming_the_column
     assert _warnings_of(lambda: pre.transform(X.assign(ok=1e300))) != []
 
 
+def test_far_values_warn_without_overflow_and_never_for_dates_and_predict_as_the_extremes():
+    """1e308 in a column whose train rows reach 0.5 overflowed the division by the largest train magnitude and
+    failed the scaler ("Input X contains infinity"); a train magnitude of 2e307 overflowed the warning's own test.
+    Dates long after the train rows' are no error of units: no warning."""
+    n = 40
+    rng = np.random.default_rng(1)
+    y = np.arange(n) % 2
+    zeros = np.zeros(n)
+    zeros[0] = 0.5
+    X = pd.DataFrame({"a": zeros, "big": np.r_[rng.random(n - 1), 2e307],
+                      "when": pd.date_range("1970-01-01", periods=n, freq="h")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        pre = TablePreprocessor().fit(X)
+        far = X.assign(a=1e308, when=pd.Timestamp("2262-01-01"))
+        (message,) = _warnings_of(lambda: pre.transform(far))
+        assert "'a'" in message and "'big'" not in message and "'when'" not in message
+        for kind in pre.transforms:
+            assert np.isfinite(pre.scale(pre.transform(far.iloc[:1]), kind)[:, :2]).all()
+        clf = TabFMClassifier(n_estimators=1, n_jobs=1).fit(X, y)
+        with pytest.warns(UserWarning, match="'a'"):
+            proba = clf.predict_proba(far.iloc[:2])
+    assert np.isfinite(proba).all()
+
+
+def test_numbers_read_as_text_with_a_value_per_row_are_not_taken_for_ids():
+    """A column of distinct numbers with one stray text cell is read as text: the advice to convert it, not to
+    drop it as an id."""
+    v = [f"{i * 1.37:.2f}" for i in range(40)]
+    v[3] = "1,5"
+    X = pd.DataFrame({"v": v, "b": np.arange(40) % 3})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pre = TablePreprocessor().fit(X)
+    assert [w.category for w in caught] == [NumericTextWarning] and "v" in [c.name for c in pre.columns_]
+
+
 # -- 5. column names that scikit-learn does not check (not all strings) -----------------------------------------
 
 @pytest.mark.parametrize("columns", [[0, 1, 2], [("a", 1), ("a", 2), ("b", 1)],
