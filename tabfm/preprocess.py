@@ -237,6 +237,7 @@ class TablePreprocessor:
         # values near float64's limits (1e308) no longer overflow a variance or a float32 cast
         peak = np.nanmax(np.abs(numeric), axis=0, initial=0.0) if numeric.size else np.zeros(numeric.shape[1])
         self.peak_ = np.where(np.isfinite(peak) & (peak > 0), peak, 1.0)
+        self.magnitude_ = peak  # the largest train magnitude as it is (0 for a column of zeros and missing cells)
         unit = numeric / self.peak_
         self.bounds_ = NumericBounds.fit(unit)
         bounded = self.bounds_.apply(unit)
@@ -332,10 +333,11 @@ class TablePreprocessor:
         present = raw[~np.isnan(raw)]
         if c.values not in (None, "numbers") or not len(present):
             return None
-        outside = np.abs(present) / FAR_PEAKS > self.peak_[k]  # divided: FAR_PEAKS x 1e308 would overflow
+        largest = getattr(self, "magnitude_", self.peak_)[k]  # peak_ in estimators saved before magnitude_
+        outside = np.abs(present) / FAR_PEAKS > largest  # divided: FAR_PEAKS x 1e308 would overflow
         if 2 * int(outside.sum()) <= len(present):
             return None
-        return f"column {c.name!r} (at fit at most {self.peak_[k]:.6g} in magnitude)"
+        return f"column {c.name!r} (at fit at most {largest:.6g} in magnitude)"
 
     def _check_names(self, X: Any, names: list[str]) -> None:
         """A table with column names must name its columns as at fit (as strings, in order): scikit-learn checks

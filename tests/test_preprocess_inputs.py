@@ -187,6 +187,9 @@ def test_numeric_values_mostly_far_outside_the_train_rows_warn_naming_the_column
     assert _warnings_of(lambda: pre.transform(X.assign(zeros=71.0))) != []
     assert _warnings_of(lambda: pre.transform(X.assign(near=100.83))) == []  # 800 deviations out, same magnitude
     assert _warnings_of(lambda: pre.transform(X.assign(ok=1e300))) != []
+    only_zeros = _fit_quietly(pd.DataFrame({"z": [0.0, np.nan] * 20, "ok": X["ok"][:40]}))  # its magnitude is 0
+    (message,) = _warnings_of(lambda: only_zeros.transform(pd.DataFrame({"z": [5.0] * 3, "ok": [0.0] * 3})))
+    assert "'z' (at fit at most 0 in magnitude)" in message
 
 
 def test_far_values_warn_without_overflow_and_never_for_dates_and_predict_as_the_extremes():
