@@ -11,6 +11,7 @@ look groups up from globals.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -84,10 +85,9 @@ class ParallelDims:
         if self.world_size == 1:
             return TPMesh.single()
         if not dist.is_initialized():
-            raise LayoutError(
-                f"layout dp={self.dp} x {self.d0}x{self.d1} needs torch.distributed; launch with "
-                f"`torchrun --nproc-per-node {self.world_size}`"
-            )
+            how = ("call torch.distributed.init_process_group() first" if "LOCAL_RANK" in os.environ  # under torchrun
+                   else f"launch with `torchrun --nproc-per-node {self.world_size}`")
+            raise LayoutError(f"layout dp={self.dp} x {self.d0}x{self.d1} needs torch.distributed initialized; {how}")
         self.check_world_size(dist.get_world_size())
         from torch.distributed.device_mesh import init_device_mesh
 

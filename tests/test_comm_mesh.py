@@ -75,12 +75,16 @@ def test_single_mesh_needs_no_process_group():
     assert mesh.axis0.tally.total_calls == 0
 
 
-def test_parallel_dims_checks():
+def test_parallel_dims_checks(monkeypatch):
     dims = ParallelDims(d0=2, d1=2, dp=2)
     assert dims.world_size == 8 and dims.coordinates(5) == (1, 0, 1)
     with pytest.raises(LayoutError, match=r"needs 8 processes but 4 were started"):
         dims.check_world_size(4)
     with pytest.raises(LayoutError, match="positive integer"):
         ParallelDims(d0=0)
-    with pytest.raises(LayoutError, match="torchrun"):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(LayoutError, match="launch with `torchrun --nproc-per-node 2`"):
+        ParallelDims(d0=2).build()
+    monkeypatch.setenv("LOCAL_RANK", "0")  # already under torchrun: what is missing is the process group
+    with pytest.raises(LayoutError, match=r"initialized; call torch.distributed.init_process_group\(\) first"):
         ParallelDims(d0=2).build()
