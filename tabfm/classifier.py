@@ -35,6 +35,12 @@ from tabfm.tree_fits import TreeFits
 from tabfm.validation import check_class_labels
 
 
+def _folds_leave_two_classes(y: np.ndarray, folds: list[np.ndarray]) -> bool:
+    """Whether the train rows outside each fold hold at least two classes (class ids y): what the logistic
+    regression and the trees fitted without a fold need to be fitted at all."""
+    return all(len(np.unique(np.delete(y, fold))) > 1 for fold in folds)
+
+
 class TabFMClassifier(ClassifierMixin, _TabFMBase):
     """In-context classification with the pretrained tabular model; scikit-learn API.
 
@@ -181,7 +187,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         folds, held_members = self._calibration_folds(len(y_ids), held, n_members, rng, y_ids)
         self._fit_common(X, y_ids, n_members, model, encode=False,
                          held=held if held_members else None, held_members=held_members)
-        trainable = all(len(np.unique(np.delete(y_ids, fold))) > 1 for fold in folds)  # every fold's kept rows
+        trainable = _folds_leave_two_classes(y_ids, folds)
         with self._tree_fits(folds if trainable else [], y_ids, K) as trees:  # beside the forwards below
             if held_members:
                 self._encode_contexts()
@@ -233,7 +239,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
 
         ensemble = calibration.true_class_probabilities(lambda t: self._combine(logp, t), y[held])
         weights, linears, choices = np.zeros(1), [np.zeros(len(held))], [LinearChoice("plain", LOGISTIC_CS[0])]
-        trainable = all(len(np.unique(y[keep])) > 1 for keep in kept)
+        trainable = _folds_leave_two_classes(y, folds)
         if self.linear_blend and trainable:
             weights = calibration.BLEND_WEIGHTS
             designs = [LinearDesign.fit(cells) for cells in kept_cells]

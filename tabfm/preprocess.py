@@ -363,7 +363,8 @@ class TablePreprocessor:
             return values.copy()
         every = len(numeric) == values.shape[1]  # then whole arrays, not a gather and a scatter of every cell
         with np.errstate(over="ignore"):  # a value past float64's range once divided (1e308 / 0.5) is the largest
-            x = np.clip((values if every else values[:, numeric]) / self.peak_, -FAR_CLIP, FAR_CLIP)
+            x = (values if every else values[:, numeric]) / self.peak_
+        np.clip(x, -FAR_CLIP, FAR_CLIP, out=x)  # in place: the division's array is this call's own
         if getattr(self, "bounds_", None) is not None:  # absent in an estimator saved before the bounds existed
             x = self.bounds_.apply(x)
         if self.scalers_[kind] is not None:
