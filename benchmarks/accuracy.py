@@ -11,7 +11,10 @@ benchmarks/datasets/suite2); each is summarised on its own and together (all 56)
 only 16 tables is not a gain. A third, `large` (15 tables of 4,000-12,000 rows, benchmarks/datasets/large; named
 with --suites large, usually with --folds 1), is the regime of many train rows that the 56 never reach. A
 fourth, `holdout` (22 tables of 150-3,000 rows, benchmarks/datasets/holdout; named with --suites holdout), is the
-size of the 56 but was never scored while the defaults were chosen on them: the check that they carry over. Every table (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
+size of the 56 but was never scored while the defaults were chosen on them: the check that they carry over. A
+fifth, `highcard` (12 tables of about 3,000 rows, benchmarks/datasets/highcard; named with --suites highcard), holds
+a categorical column of 100-1,725 levels each (schools, people, routes, aircraft...), where none of the 56 has one
+above 68. Every table (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds
 stored in its sidecar (`fold_ids`: train on the other folds, test on fold k), so every model sees exactly the
 same splits. Rows whose target is null are dropped. Models, all fitted on the same rows in this one process
 (the scikit-learn baselines with one OpenMP / BLAS thread, tabfm with torch's default threads):
@@ -81,9 +84,10 @@ from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGR
                              notes_lines, per_table_lines, read_baselines, report, write_csv)
 
 SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATASETS_DIR / "large",
-          "holdout": DATASETS_DIR / "holdout"}
-"""Where each suite's tables live ("large" and "holdout" are scored only when named: the large tables take minutes
-each, and the holdout tables are the check that nothing was tuned on)."""
+          "holdout": DATASETS_DIR / "holdout", "highcard": DATASETS_DIR / "highcard"}
+"""Where each suite's tables live ("large", "holdout" and "highcard" are scored only when named: the large tables
+take minutes each, the holdout tables are the check that nothing was tuned on, and the highcard tables are those
+with a categorical column of more than 100 levels)."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
 CURVE_SIZES = (100, 300, 1000)
 
