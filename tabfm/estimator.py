@@ -33,6 +33,7 @@ from sklearn.utils._param_validation import Interval
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm import calibration, forward_sizes, heap_release
+from tabfm.category_encoding import CategoryEncoding
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import Member, auto_members, draw_members, member_cells, member_width
 from tabfm.estimator_model import load_estimator_model, weights_digest
@@ -153,6 +154,7 @@ class _TabFMBase(BaseEstimator):
             cells = self.preprocessor_.transform(X)
             if len(y) != len(cells.values):
                 raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
+            self.category_encoding_, cells = CategoryEncoding.fit(cells, *self._encoding_targets(y), self.seed_)
             C = cells.values.shape[1]
             shown, limit = min(C, self.max_features or C), model.config.max_columns
             if shown > limit:
@@ -236,6 +238,12 @@ class _TabFMBase(BaseEstimator):
         if self._task == "classification":
             return (y[:, None] == np.arange(int(y.max()) + 1)[None]).astype(np.float64)
         return np.asarray(y, np.float64)[:, None]
+
+    def _encoding_targets(self, y: np.ndarray) -> tuple[np.ndarray, int | None]:
+        """Hook: (targets, classes) the target encodings of many-level categorical columns are fitted to
+        (tabfm.category_encoding): the classifier's class ids and class count; the regressor's normalised
+        targets and None."""
+        return y, len(self.classes_)
 
     def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
         """Hook: the train targets the members' contexts are built from, kept as `y_train_` (the classifier's
@@ -391,7 +399,9 @@ class _TabFMBase(BaseEstimator):
             X = arrow_as_polars(X)
             check_table_shape(X)
             validate_data(self, X, reset=False, skip_check_array=True)  # feature count and names as at fit
-            return self.preprocessor_.transform(X)
+            cells = self.preprocessor_.transform(X)
+            encoding = getattr(self, "category_encoding_", None)  # absent in estimators saved before it existed
+            return cells if encoding is None else encoding.transform(cells)
 
     def _cell_outputs(self, cells: Cells, finalize=None, members: int | None = None) -> np.ndarray:
         """Per-member outputs [M, n, Y] of the rows of `cells` (class-group log-probabilities, or regression bin

@@ -48,7 +48,8 @@ N_FOLDS = 5
 MIN_ROWS = 4 * N_FOLDS
 """Fewer train rows than this: no ridge, the base is the mean (too few rows for out-of-fold residuals)."""
 MAX_ONEHOT = 100
-"""Categorical columns of more categories than this are left to the model (no one-hot columns in the ridge)."""
+"""Categorical columns of more categories than this get no one-hot columns: the design reads their target
+encoding (tabfm.category_encoding), a numeric column."""
 HINGE_KNOTS = 7
 """Knots per numeric column of the hinge design (LinearDesign.with_hinges), at the train values' eighths."""
 HINGE_CELLS = 20_000_000
@@ -72,7 +73,7 @@ class LinearDesign:
     with a missing indicator where the train rows had missing values) and one-hot categorical columns."""
 
     numeric: np.ndarray
-    """[Cn] positions of the numeric columns used."""
+    """[Cn] positions of the numeric columns used, among Cells.numeric()'s (the target encodings after the C)."""
     peaks: np.ndarray
     """[Cn] each column's largest train magnitude (1 for an all-zero column): values are divided by it first, so
     statistics of values near float64's limits do not overflow."""
@@ -108,8 +109,9 @@ class LinearDesign:
 
     @classmethod
     def fit(cls, cells) -> LinearDesign:
-        numeric = np.flatnonzero(~cells.is_cat)
-        values = cells.values[:, numeric]
+        values, is_numeric = cells.numeric()  # with the target encodings of many-level categorical columns
+        numeric = np.flatnonzero(is_numeric)
+        values = values[:, numeric]
         observed = ~np.isnan(values)
         peaks = np.nanmax(np.abs(values), 0, initial=0.0) if len(values) else np.zeros(len(numeric))
         peaks = np.where(peaks > 0, peaks, 1.0)
@@ -174,7 +176,7 @@ class LinearDesign:
     def _numeric(self, cells) -> tuple[np.ndarray, np.ndarray]:
         """([n, Cn] the numeric columns as the design shows them: standardised, held inside [lows, highs], through
         numeric_map; [n, Cn] which of their cells were missing)."""
-        values = cells.values[:, self.numeric] / self.peaks
+        values = cells.numeric()[0][:, self.numeric] / self.peaks
         missing = np.isnan(values)
         filled = np.where(missing, self.medians, values)
         with np.errstate(all="ignore"):  # a test value far past the train rows may overflow: held in range
@@ -293,7 +295,8 @@ class LogisticModel:
         same classes and width (a model of a subset of these rows, or of another penalty: the same optimum in
         fewer iterations; 128 hinge columns of 8,600 rows x 26 classes took 411 iterations from zero, 128 from
         the model of 90% of the rows), else at zero. A design without columns (every column categorical with
-        more than MAX_ONEHOT categories) gives the class frequencies, what a logistic regression's unpenalised
+        more than MAX_ONEHOT categories, in a table of more classes than category_encoding.MAX_CLASSES) gives the
+        class frequencies, what a logistic regression's unpenalised
         intercept alone fits."""
         from sklearn.linear_model import LogisticRegression
 

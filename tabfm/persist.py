@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tabfm.out_paths import private_name
+from tabfm.tree_base import tree_design_width
 from tabfm.tree_io import tree_bytes, trees_from_bytes
 from tabfm.validation import torch_threads
 
@@ -61,6 +62,7 @@ def _whitelist() -> dict[str, type]:
     from sklearn.preprocessing import PowerTransformer, QuantileTransformer, RobustScaler, StandardScaler
 
     from tabfm.blocks import KVCache
+    from tabfm.category_encoding import CategoryEncoding
     from tabfm.ensemble import Member
     from tabfm.linear_base import LinearBase, LinearDesign, LogisticModel
     from tabfm.local_context import LocalContexts
@@ -76,7 +78,7 @@ def _whitelist() -> dict[str, type]:
                "sklearn.preprocessing.PowerTransformer": PowerTransformer,  # in files saved before YeoJohnson
                "sklearn.pipeline.Pipeline": Pipeline}
     for cls in (KVCache, Member, Context, Cells, Column, TablePreprocessor, TargetScale, TargetTransform,
-                LinearBase, LinearDesign, LogisticModel, LocalContexts, YeoJohnson, NumericBounds):
+                LinearBase, LinearDesign, LogisticModel, LocalContexts, YeoJohnson, NumericBounds, CategoryEncoding):
         classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return classes
 
@@ -464,6 +466,13 @@ def load_estimator(cls: type, path: str | Path, device: str | torch.device | Non
                          "put the checkpoint at that path (its encoded train rows belong to that model)")
     vars(est).update(attributes)
     _check_fitted_numbers(est, folder)
+    encoding = getattr(est, "category_encoding_", None)
+    if encoding is not None:
+        try:
+            encoding.check(est.train_cells_)
+        except ValueError as e:
+            raise ValueError(f"cannot load {str(folder)!r}: {META_FILE} is damaged ({e}); save the estimator "
+                             "again") from None
     est.device_ = target
     try:
         est._model()  # model_ now (the weights are not saved), so the first predict is as fast as the rest
@@ -511,7 +520,7 @@ def _read_trees(est: Any, folder: Path, meta: dict[str, Any]) -> bool:
         raise ValueError(f"{TREES_FILE} in {str(folder)!r} is not the file saved with {META_FILE} (its SHA-256 "
                          "differs): the saved estimator was changed or damaged; save it again")
     try:
-        est.tree_model_ = trees_from_bytes(data, est._tree_targets()[1], est.train_cells_.values.shape[1])
+        est.tree_model_ = trees_from_bytes(data, est._tree_targets()[1], tree_design_width(est.train_cells_))
     except ValueError as e:
         raise ValueError(f"cannot load {str(folder)!r}: {TREES_FILE} is damaged: {e}; save the estimator "
                          "again") from None

@@ -106,10 +106,22 @@ class Cells:
     """[C] bool."""
     n_cats: np.ndarray
     """[C] int64."""
+    encoded: np.ndarray | None = None
+    """[n, E] float64 target encodings of the categorical columns of many levels (tabfm.category_encoding), which
+    the linear models and the trees read as numeric columns after the C; None where no column is encoded."""
 
     def take(self, rows: np.ndarray | slice) -> Cells:
         """The given rows."""
-        return Cells(self.values[rows], self.codes[rows], self.is_cat, self.n_cats)
+        return Cells(self.values[rows], self.codes[rows], self.is_cat, self.n_cats,
+                     None if self.encoded is None else self.encoded[rows])
+
+    def numeric(self) -> tuple[np.ndarray, np.ndarray]:
+        """([n, C + E] the values with the target encodings appended, [C + E] which of those columns are numeric):
+        the columns as the linear models read them."""
+        if self.encoded is None:
+            return self.values, ~self.is_cat
+        return (np.concatenate([self.values, self.encoded], 1),
+                np.r_[~self.is_cat, np.ones(self.encoded.shape[1], bool)])
 
 
 def _fit_categories(raw: np.ndarray, order: list[str] | None) -> tuple[str, ...]:

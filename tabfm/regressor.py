@@ -230,6 +230,9 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                              f"got {self.target_transforms!r}")
         return kinds
 
+    def _encoding_targets(self, y: np.ndarray) -> tuple[np.ndarray, None]:
+        return squeeze_outliers(TargetScale.fit(y).forward(y)), None
+
     def _context_targets(self, cells: Cells, y: np.ndarray) -> np.ndarray:
         """The members' train targets: y normalised (float64) by its inliers and squeezed past CLIP_SIGMA (one
         target of 1e9 among values near 1 put predictions 4e5 off; tabfm.numeric_bounds), less the linear base's

@@ -12,8 +12,9 @@ rows; then on every train row) beside a CPU fit of the model.
 
 The trees read the preprocessed cells (tabfm.preprocess.Cells): numeric values as they are (NaN where missing),
 category codes as categories (missing and unseen codes as NaN), or as ordered numbers in a column of more
-categories than the trees bin natively. `save` writes the fitted trees with skops (tabfm.tree_io), so that
-`load` does not fit them again (0.2-0.4 s on 1,000 rows, seconds on many classes); where the scikit-learn at load
+categories than the trees bin natively; and the target encodings of the categorical columns of more than 100
+levels (tabfm.category_encoding) as numeric columns. `save` writes the fitted trees with skops (tabfm.tree_io), so
+that `load` does not fit them again (0.2-0.4 s on 1,000 rows, seconds on many classes); where the scikit-learn at load
 is not the one that saved them, `load` fits them again from the saved train cells and seed instead: the same
 trees for that version.
 """
@@ -39,7 +40,16 @@ def tree_design(cells: Cells) -> tuple[np.ndarray, np.ndarray]:
     codes = cells.codes.astype(np.float64)
     codes[cells.codes < 0] = np.nan
     X = np.where(cells.is_cat[None, :], codes, cells.values)
-    return X, cells.is_cat & (cells.n_cats <= MAX_TREE_CATEGORIES)
+    categorical = cells.is_cat & (cells.n_cats <= MAX_TREE_CATEGORIES)
+    if cells.encoded is None:
+        return X, categorical
+    # the target encodings of many-level columns (tabfm.category_encoding) as numeric columns after the cells'
+    return np.concatenate([X, cells.encoded], 1), np.r_[categorical, np.zeros(cells.encoded.shape[1], bool)]
+
+
+def tree_design_width(cells: Cells) -> int:
+    """The columns of tree_design(cells): the cells' and their target encodings'."""
+    return cells.values.shape[1] + (0 if cells.encoded is None else cells.encoded.shape[1])
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from sklearn.metrics import log_loss, r2_score
 from tabfm import TabFMClassifier, TabFMRegressor
 from tabfm.linear_base import (ALPHAS, HINGE_CELLS, HINGE_KNOTS, LINEAR_VIEWS, LOGISTIC_CS, MIN_ROWS, LinearBase,
                                LinearDesign, LogisticModel)
-from tabfm.preprocess import TablePreprocessor
+from tabfm.preprocess import Cells, TablePreprocessor
 
 
 def _linear_table(n: int, seed: int = 0, noise: float = 0.0, missing: float = 0.1):
@@ -320,10 +320,10 @@ def test_logistic_model_reads_a_linear_boundary_and_gives_unseen_classes_nothing
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_design_without_columns_gives_the_class_frequencies(k):
     rng = np.random.default_rng(1)
-    codes = rng.integers(0, 150, 240)  # one categorical column of more than MAX_ONEHOT categories: no design column
+    codes = rng.integers(0, 150, 240)
     X = pd.DataFrame({"zip": [f"z{c:03d}" for c in codes]})
     y = np.r_[np.zeros(120, int), rng.integers(1, k, 120)]
-    cells = _cells(X)
+    cells = Cells(np.empty((240, 0)), np.empty((240, 0), np.int64), np.empty(0, bool), np.empty(0, np.int64))
     lr = LogisticModel.fit(cells, y, n_classes=k + 1)  # one class more than the rows hold
     assert lr.design.width == 0
     want = np.r_[np.bincount(y, minlength=k) / len(y), 0.0]

@@ -528,3 +528,17 @@ def test_save_to_the_current_folder_by_a_dot(fitted_classifier, tmp_path, monkey
     clf.save(".")
     np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "here").predict_proba(X_test),
                                   clf.predict_proba(X_test))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: f["train_cells_"]["params"]["fields"].update(encoded=None), "train rows' target encodings"),
+    (lambda f: f["category_encoding_"]["params"]["fields"].update(columns=f["train_cells_"]["params"]["fields"]
+                                                                  ["n_cats"]), "does not fit 2 columns"),
+])
+def test_a_target_encoding_that_does_not_fit_the_train_cells_is_refused(tmp_path, edit, message):
+    rng = np.random.default_rng(0)
+    X = pd.DataFrame({"g": [f"l{v}" for v in rng.integers(0, 200, 300)], "a": rng.normal(size=300)})
+    TabFMRegressor(n_estimators=1, n_jobs=1).fit(X, rng.normal(size=300)).save(tmp_path / "est")
+    _edit_json(tmp_path / "est", lambda meta: edit(meta["attributes"]["fields"]))
+    with pytest.raises(ValueError, match=f"cannot load .*damaged .*{message}"):
+        TabFMRegressor.load(tmp_path / "est")
