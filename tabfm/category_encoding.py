@@ -57,11 +57,13 @@ class CategoryEncoding:
 
     @classmethod
     def fit(cls, cells: Cells, targets: np.ndarray, n_classes: int | None,
-            seed: int) -> tuple[CategoryEncoding | None, Cells]:
+            seed: int | None) -> tuple[CategoryEncoding | None, Cells]:
         """The encoding of the cells' columns of at least MIN_LEVELS categories, fitted on all their rows, and the
         cells with the rows' cross-fitted encodings (Cells.encoded); (None, cells) where no column qualifies or the
         table has more than MAX_CLASSES classes. targets: class ids 0..n_classes-1, or real targets (n_classes
-        None; normalised, so that the encodings have the targets' scale)."""
+        None; normalised, so that the encodings have the targets' scale). seed: the folds' (None: fresh entropy,
+        as a fit of random_state=None draws; the train rows' encodings are kept, so a saved estimator does not
+        need it again)."""
         from sklearn.model_selection import KFold, StratifiedKFold
         from sklearn.preprocessing import TargetEncoder
 
@@ -72,7 +74,7 @@ class CategoryEncoding:
         target_type = "continuous" if classes is None else "binary" if classes == 2 else "multiclass"
         split = KFold if target_type == "continuous" else StratifiedKFold
         encoder = TargetEncoder(target_type=target_type, smooth="auto",
-                                cv=split(N_FOLDS, shuffle=True, random_state=seed % 2**32))
+                                cv=split(N_FOLDS, shuffle=True, random_state=None if seed is None else seed % 2**32))
         codes = cells.codes[:, columns]
         with warnings.catch_warnings():  # a class of fewer rows than folds: StratifiedKFold still splits
             warnings.filterwarnings("ignore", "The least populated class", UserWarning)

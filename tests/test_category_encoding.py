@@ -137,3 +137,16 @@ def test_save_and_load_keep_the_encoding(tmp_path):
     np.testing.assert_array_equal(loaded.category_encoding_.tables, est.category_encoding_.tables)
     np.testing.assert_array_equal(loaded.train_cells_.encoded, est.train_cells_.encoded)
     np.testing.assert_array_equal(loaded.predict(X[400:]), est.predict(X[400:]))
+
+
+@pytest.mark.parametrize("cls", [TabFMClassifier, TabFMRegressor])
+def test_a_fit_of_random_state_none_encodes_with_fresh_folds(cls, tmp_path):
+    X, y = _levels_table(300, 120)
+    if cls is TabFMClassifier:
+        y = (y > np.median(y)).astype(int)
+    est = cls(n_estimators=2, n_jobs=1, random_state=None).fit(X[:250], y[:250])
+    assert est.category_encoding_ is not None and np.isfinite(est.train_cells_.encoded).all()
+    predict = est.predict_proba if cls is TabFMClassifier else est.predict
+    est.save(tmp_path / "est")
+    np.testing.assert_array_equal(cls.load(tmp_path / "est").predict(X[250:]), est.predict(X[250:]))
+    assert np.isfinite(predict(X[250:])).all()
