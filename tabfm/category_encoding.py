@@ -14,8 +14,8 @@ the highcard suite (a categorical column of 160-1,725 levels each) it took ROC-A
 Cross-fitted, as TargetEncoder.fit_transform does: a train row's encoding comes from the other folds' rows, so
 its own target is not in its feature (in-sample means would let the linear part and the trees fit the targets
 through the feature, most on the rarest levels). New rows get the encoding of every train row. A category not
-seen at fit reads as missing (the preprocessor gives both code -1), so it gets the missing rows' encoding, or the
-overall mean where the train rows had no missing cell in that column.
+seen at fit (preprocess.UNSEEN) gets the overall mean, a missing cell the missing train cells' mean (the overall
+mean where the train rows had none): a new school is not a school of unknown name.
 
 Tried for the linear models instead and not kept: one-hot columns of the most frequent levels (as many as a
 ridge of rows x columns^2 affords): best where levels are pure random effects (a synthetic 300-level column: R^2
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tabfm.linear_base import MAX_ONEHOT
-from tabfm.preprocess import Cells
+from tabfm.preprocess import UNSEEN, Cells
 
 MIN_LEVELS = MAX_ONEHOT + 1
 """Categorical columns of at least this many levels are encoded (those the linear part shows no one-hot)."""
@@ -47,13 +47,13 @@ N_FOLDS = 5
 
 @dataclass
 class CategoryEncoding:
-    """The fitted encodings of some categorical columns: tables[j, code + 1, t] is output t (t < outputs) of
-    category `code` of column columns[j] (code -1: missing or unseen)."""
+    """The fitted encodings of some categorical columns: tables[j, code + 2, t] is output t of category `code`
+    of column columns[j] (code -1: missing, -2: a category not seen at fit, preprocess.UNSEEN)."""
 
     columns: np.ndarray
     """[Ce] int64 positions of the encoded categorical columns among the cells' columns."""
     tables: np.ndarray
-    """[Ce, L + 1, T] float64: each column's encodings by code + 1, padded to the most levels L."""
+    """[Ce, L + 2, T] float64: each column's encodings by code + 2, padded to the most levels L."""
 
     @classmethod
     def fit(cls, cells: Cells, targets: np.ndarray, n_classes: int | None,
@@ -80,22 +80,23 @@ class CategoryEncoding:
             warnings.filterwarnings("ignore", "The least populated class", UserWarning)
             crossed = encoder.fit_transform(codes, targets)
         levels = int(cells.n_cats[columns].max())
-        lookup = np.tile(np.arange(-1, levels)[:, None], (1, len(columns)))  # every code of every column
-        table = encoder.transform(lookup)                                   # [L + 1, Ce * T], by column
+        # every code of every column; UNSEEN as `levels`, a code no train row holds: TargetEncoder's unknown category
+        lookup = np.tile(np.r_[levels, np.arange(-1, levels)][:, None], (1, len(columns)))
+        table = encoder.transform(lookup)                                   # [L + 2, Ce * T], by column
         T = table.shape[1] // len(columns)
         encoding = cls(columns.astype(np.int64), np.ascontiguousarray(
-            table.reshape(levels + 1, len(columns), T).transpose(1, 0, 2), np.float64))
+            table.reshape(levels + 2, len(columns), T).transpose(1, 0, 2), np.float64))
         return encoding, dataclasses.replace(cells, encoded=np.asarray(crossed, np.float64))
 
     def transform(self, cells: Cells) -> Cells:
         """The cells of new rows with their encodings (Cells.encoded)."""
-        codes = cells.codes[:, self.columns] + 1                            # [n, Ce]
+        codes = cells.codes[:, self.columns] - UNSEEN                       # [n, Ce]
         encoded = self.tables[np.arange(len(self.columns)), codes]          # [n, Ce, T]
         return dataclasses.replace(cells, encoded=encoded.reshape(len(codes), -1))
 
     def check(self, train: Cells) -> None:
         """ValueError unless this encoding fits the saved train cells: categorical columns of at least MIN_LEVELS
-        categories, a table row per category and missing code, finite encodings and the train rows' encodings
+        categories, a table row per category and per missing and unseen code, finite encodings and the train rows' encodings
         of its width (a saved estimator's JSON or arrays edited by hand)."""
         columns, tables = np.asarray(self.columns), np.asarray(self.tables)
         C = len(train.is_cat)
@@ -103,7 +104,7 @@ class CategoryEncoding:
                 or not np.isin(columns, np.arange(C)).all()):
             raise ValueError(f"the target encoding of columns {columns.tolist()} does not fit {C} columns")
         if not (train.is_cat[columns].all() and (train.n_cats[columns] >= MIN_LEVELS).all()
-                and tables.shape[1] == train.n_cats[columns].max() + 1 and np.isfinite(tables).all()):
+                and tables.shape[1] == train.n_cats[columns].max() + 2 and np.isfinite(tables).all()):
             raise ValueError("the target encodings do not match the categorical columns they encode")
         if train.encoded is None or train.encoded.shape != (len(train.values), len(columns) * tables.shape[2]):
             raise ValueError("the train rows' target encodings do not match the encoding")

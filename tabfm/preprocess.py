@@ -15,7 +15,8 @@
     categories   the train rows' categories are codes 0..n-1 in the order of their dtype (a pandas categorical's
                  categories, a polars Enum's), else numeric when every category is a number ("2" < "10"), else
                  sorted as strings; the fitted list defines the codes at predict. A category first seen at predict
-                 is a missing cell, with a warning when most of a column's cells are such
+                 reads as a missing cell (code UNSEEN, which every reader of codes takes as missing, except the
+                 target encodings: tabfm.category_encoding), with a warning when most of a column's cells are such
     scaling      numeric columns are transformed per ensemble member: "none" (only standardised with the train
                  rows' mean and deviation, in float64: the model standardises each column that way anyway), "robust" (median / interquartile range, then
                  a soft clip at +-4 so an outlier cannot dominate the model's train-row mean and deviation),
@@ -61,6 +62,9 @@ FAR_CLIP = 1e6
 """Numeric values past this many times their column's largest train magnitude are read as that many: the model
 reads them as its train rows' extremes anyway (numeric_bounds squeezes them), and 1e308 in a column whose train rows
 reached 0.5 overflowed to inf in the division and failed the scaler ("Input X contains infinity")."""
+UNSEEN = -2
+"""The code of a category first seen at predict (Cells.codes): missing to the model, the linear models and the
+trees, the overall mean to a target encoding (where a missing cell has the missing train cells' mean)."""
 ID_ROWS = 30
 """A categorical column with a different value in every one of at least this many train rows (an id, a name, a
 free-text note) is left out at fit, with a warning: no other row can share one of its values, so every test row's
@@ -101,7 +105,8 @@ class Cells:
     values: np.ndarray
     """[n, C] float64."""
     codes: np.ndarray
-    """[n, C] int64: 0..n_cats-1, -1 for numeric columns and missing / unseen categories."""
+    """[n, C] int64: 0..n_cats-1, -1 for numeric columns and missing cells, UNSEEN (-2) for a category first seen
+    at predict: a negative code reads as missing everywhere but in the target encodings."""
     is_cat: np.ndarray
     """[C] bool."""
     n_cats: np.ndarray
@@ -163,7 +168,7 @@ def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray) -> str | None:
     on booleans, given 0/1), or None. It names no counts: predicting batch after batch (tabfm predict) repeats
     the same text, which Python's default warning filter then shows once."""
     present = string_series(raw).is_not_null().to_numpy()
-    unseen = present & (codes < 0)
+    unseen = codes == UNSEEN
     if 2 * int(unseen.sum()) <= int(present.sum()):
         return None
     example = raw[np.flatnonzero(unseen)[0]]
@@ -321,6 +326,7 @@ class TablePreprocessor:
                 if kind == "numeric":
                     raw = np.array([None if math.isnan(v) else category_string(v) for v in raw], dtype=object)
                 codes[:, j] = category_codes(string_series(raw), string_series(c.categories))[0]
+                codes[string_series(raw).is_not_null().to_numpy() & (codes[:, j] < 0), j] = UNSEEN
                 is_cat[j], n_cats[j] = True, len(c.categories)
                 unseen.append(_unseen_note(c, raw, codes[:, j]))
         if any(unseen):

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from tabfm.data.encode import _category_codes
-from tabfm.preprocess import TablePreprocessor
+from tabfm.preprocess import UNSEEN, TablePreprocessor
 
 
 @pytest.mark.parametrize("values", [
@@ -25,7 +25,9 @@ def test_prior_and_estimator_number_categories_alike(values):
 
 
 def test_unseen_categories_at_predict_are_missing():
+    """A category first seen at predict gets a negative code of its own (missing to every reader of codes but the
+    target encodings), a missing cell -1."""
     train = np.array(["b", "a", "c"], dtype=object).reshape(-1, 1)
     pre = TablePreprocessor().fit(train)
     cells = pre.transform(np.array(["c", "zz", None, "a"], dtype=object).reshape(-1, 1))
-    np.testing.assert_array_equal(cells.codes[:, 0], [2, -1, -1, 0])
+    np.testing.assert_array_equal(cells.codes[:, 0], [2, UNSEEN, -1, 0])

@@ -12,8 +12,8 @@ from sklearn.preprocessing import TargetEncoder
 from tabfm import TabFMClassifier, TabFMRegressor
 from tabfm.category_encoding import MAX_CLASSES, MIN_LEVELS, N_FOLDS, CategoryEncoding
 from tabfm.linear_base import LinearDesign
-from tabfm.preprocess import TablePreprocessor
-from tabfm.tree_base import tree_design
+from tabfm.preprocess import UNSEEN, TablePreprocessor
+from tabfm.tree_base import fit_trees, tree_design
 
 
 def _levels_table(n: int, levels: int, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
@@ -54,13 +54,37 @@ def test_train_rows_get_cross_fitted_encodings_and_new_rows_those_of_every_train
     assert encoded.take(np.arange(5, 9)).encoded.shape == (4, len(columns) * (1 if task != "multiclass" else 3))
 
 
-def test_an_unseen_category_reads_as_the_overall_mean_where_no_cell_was_missing():
+def test_an_unseen_category_reads_as_the_overall_mean_and_a_missing_cell_as_the_missing_rows_mean():
     X, y = _levels_table(400, 120)
+    X.loc[:39, "g"] = None
+    y[:40] += 10.0  # missing cells that say something: a new category is not one of them
     pre = TablePreprocessor().fit(X)
     encoding, _ = CategoryEncoding.fit(pre.transform(X), y, None, seed=0)
     with pytest.warns(UserWarning, match="never seen at fit"):
-        new = pre.transform(pd.DataFrame({"g": ["unknown"], "a": [0.0], "b": [0.0]}))
-    assert encoding.transform(new).encoded[0, 0] == pytest.approx(y.mean(), abs=1e-12)
+        new = pre.transform(pd.DataFrame({"g": ["unknown", None], "a": [0.0, 0.0], "b": [0.0, 0.0]}))
+    np.testing.assert_array_equal(new.codes[:, 0], [UNSEEN, -1])
+    unseen, missing = encoding.transform(new).encoded[:, 0]
+    assert unseen == pytest.approx(y.mean(), abs=1e-12)
+    assert missing > y.mean() + 5  # the missing train cells' mean, shrunk a little towards the overall mean
+    reference = TargetEncoder(cv=KFold(N_FOLDS, shuffle=True, random_state=0)).fit(pre.transform(X).codes[:, [0]], y)
+    np.testing.assert_allclose([unseen, missing], reference.transform([[10**6], [-1]])[:, 0], rtol=0, atol=1e-12)
+
+
+def test_without_an_encoding_an_unseen_category_predicts_as_a_missing_cell():
+    X, y = _levels_table(300, 20)  # no column to encode: the model, the linear model and the trees read both alike
+    X.loc[:9, "g"] = None
+    y = (y > np.median(y)).astype(int)
+    est = TabFMClassifier(n_estimators=2, n_jobs=1).fit(X, y)
+    assert est.category_encoding_ is None and est.blend_weight_ > 0
+    rows = X.iloc[:4].copy()
+    rows["g"] = None
+    unseen = rows.assign(g="never seen")
+    with pytest.warns(UserWarning, match="never seen at fit"):
+        np.testing.assert_array_equal(est.predict_proba(unseen), est.predict_proba(rows))
+        unseen_cells = est._cells_of(unseen)
+    assert (unseen_cells.codes[:, 0] == UNSEEN).all() and (est._cells_of(rows).codes[:, 0] == -1).all()
+    trees = fit_trees(est.train_cells_, est.y_train_, 2, seed=0)  # weighed out here; the trees alike too
+    np.testing.assert_array_equal(trees.predict_proba(unseen_cells), trees.predict_proba(est._cells_of(rows)))
 
 
 def test_tables_of_few_levels_or_many_classes_are_not_encoded():

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from tabfm.estimator import TabFMClassifier
-from tabfm.preprocess import Column, NumericTextWarning, TablePreprocessor
+from tabfm.preprocess import UNSEEN, Column, NumericTextWarning, TablePreprocessor
 
 
 def _fit_quietly(X, **kwargs) -> TablePreprocessor:
@@ -105,9 +105,9 @@ def test_the_fitted_category_list_defines_the_codes():
     batch = pd.DataFrame({"k": pd.Categorical([10, 2, 1, 3])})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert pre.transform(batch).codes[:, 0].tolist() == [2, 1, 0, -1]
+        assert pre.transform(batch).codes[:, 0].tolist() == [2, 1, 0, UNSEEN]
         pre.columns_[0] = Column("k", 0, "categorical", ("1", "10", "2"))  # as fitted before the numeric order
-        assert pre.transform(batch).codes[:, 0].tolist() == [1, 2, 0, -1]
+        assert pre.transform(batch).codes[:, 0].tolist() == [1, 2, 0, UNSEEN]
 
 
 # -- 3. number text read as categories warns at fit ------------------------------------------------------------
