@@ -163,11 +163,10 @@ def _numeric_text_warning(names: list[str]) -> str:
             "strict=False)), or name them in categorical_features to keep them as categories")
 
 
-def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray) -> str | None:
-    """A note naming a categorical column whose predict cells are mostly categories not seen at fit (e.g. fitted
-    on booleans, given 0/1), or None. It names no counts: predicting batch after batch (tabfm predict) repeats
-    the same text, which Python's default warning filter then shows once."""
-    present = string_series(raw).is_not_null().to_numpy()
+def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray, present: np.ndarray) -> str | None:
+    """A note naming a categorical column whose predict cells (`present`: those not missing) are mostly
+    categories not seen at fit (e.g. fitted on booleans, given 0/1), or None. It names no counts: predicting batch
+    after batch (tabfm predict) repeats the same text, which Python's default warning filter then shows once."""
     unseen = codes == UNSEEN
     if 2 * int(unseen.sum()) <= int(present.sum()):
         return None
@@ -325,10 +324,12 @@ class TablePreprocessor:
             else:
                 if kind == "numeric":
                     raw = np.array([None if math.isnan(v) else category_string(v) for v in raw], dtype=object)
-                codes[:, j] = category_codes(string_series(raw), string_series(c.categories))[0]
-                codes[string_series(raw).is_not_null().to_numpy() & (codes[:, j] < 0), j] = UNSEEN
+                texts = string_series(raw)
+                codes[:, j] = category_codes(texts, string_series(c.categories))[0]
+                present = texts.is_not_null().to_numpy()
+                codes[present & (codes[:, j] < 0), j] = UNSEEN
                 is_cat[j], n_cats[j] = True, len(c.categories)
-                unseen.append(_unseen_note(c, raw, codes[:, j]))
+                unseen.append(_unseen_note(c, raw, codes[:, j], present))
         if any(unseen):
             notes = [u for u in unseen if u]
             more = f"; and {len(notes) - UNSEEN_SHOWN} more columns" if len(notes) > UNSEEN_SHOWN else ""
