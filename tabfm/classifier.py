@@ -70,7 +70,9 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
     categorical_features : "auto", list of int or str, or boolean mask, default="auto"
         Columns to treat as categorical besides strings, booleans and categorical dtypes: their indices or names,
-        or one boolean per column (as scikit-learn's HistGradientBoosting takes).
+        or one boolean per column (as scikit-learn's HistGradientBoosting takes). Name integer group ids here (a
+        school, a customer): a column of more than 100 categories reaches the linear part and the trees as its
+        target encoding (tabfm.category_encoding), where as a number it means nothing.
     max_context_rows : int or None, default=None
         Subsample the train rows per member; None: all of them (ignored where local contexts are used).
     batch_size : int, default=1024
