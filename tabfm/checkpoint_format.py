@@ -101,8 +101,17 @@ def finish_folder(tmp: Path, ckpt_dir: Path, manifest: dict, aside: Path | None 
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     old = aside if aside is not None else ckpt_dir.with_name(ckpt_dir.name + ".old")
-    if ckpt_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if ckpt_dir.exists() or ckpt_dir.is_symlink():
+        _remove_aside(old)
         ckpt_dir.rename(old)
     tmp.rename(ckpt_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_aside(old)
+
+
+def _remove_aside(path: Path) -> None:
+    """Remove a folder set aside, or the link it was: a link is unlinked, never followed (rmtree refuses a link,
+    and a linked step_N renamed aside stayed as step_N.old, which pruning, also not following links, kept)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -515,3 +515,20 @@ def test_merge_overwrites_only_a_merged_file_and_never_writes_into_a_checkpoint(
     assert config.read_text() == "model: tiny\n"
     merged = ckpt.merge(path, tmp_path / "m.safetensors")
     assert ckpt.merge(path, merged, overwrite=True) == merged  # an earlier merged file is replaced
+
+
+def test_a_save_over_a_linked_step_folder_unlinks_it_and_leaves_its_target(tmp_path):
+    from tabfm.checkpoint_format import MANIFEST, finish_folder
+
+    elsewhere = tmp_path / "elsewhere" / "step_5"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "weights").write_text("not ours to delete")
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "step_5").symlink_to(elsewhere, target_is_directory=True)
+    tmp = root / "step_5.tmp"
+    tmp.mkdir()
+    finish_folder(tmp, root / "step_5", {"step": 5})
+    assert sorted(p.name for p in root.iterdir()) == ["step_5"]  # no step_5.old left behind
+    assert not (root / "step_5").is_symlink() and (root / "step_5" / MANIFEST).is_file()
+    assert (elsewhere / "weights").read_text() == "not ours to delete"
