@@ -96,8 +96,8 @@ class CategoryEncoding:
 
     def check(self, train: Cells) -> None:
         """ValueError unless this encoding fits the saved train cells: categorical columns of at least MIN_LEVELS
-        categories, a table row per category and per missing and unseen code, finite encodings and the train rows' encodings
-        of its width (a saved estimator's JSON or arrays edited by hand)."""
+        categories, a table row per category and per missing and unseen code, finite encodings, and the train
+        rows' encodings of its width (a saved estimator's JSON or arrays edited by hand)."""
         columns, tables = np.asarray(self.columns), np.asarray(self.tables)
         C = len(train.is_cat)
         if (columns.ndim != 1 or tables.ndim != 3 or len(tables) != len(columns) or not len(columns)
