@@ -6,7 +6,8 @@ reached neither the linear part (no one-hot past 100 levels) nor, past tree_base
 (its codes in string order, which mean nothing), and the model alone does not learn a per-level effect from a few
 rows per level. Each such column gets the mean target of its level, shrunk towards the overall mean by how few
 rows the level has (scikit-learn's TargetEncoder, smooth="auto": an empirical-Bayes blend), as one more numeric
-column for a regression or two-class table, one per class for up to MAX_CLASSES classes. On the 12 real tables of
+column for a regression or two-class table, one per class otherwise (past MAX_CLASSES classes only while the
+encodings stay within MAX_MANY_CLASS_WIDTH columns). On the 12 real tables of
 the highcard suite (a categorical column of 160-1,725 levels each) it took ROC-AUC 0.788 -> 0.824, log-loss 0.467
 -> 0.412 and R^2 0.401 -> 0.460 (logistic regression / ridge on one-hot columns of every level: 0.798, 0.468,
 0.432); on 12 more such tables scored after this was chosen (highcard_holdout) 0.761 -> 0.768, 0.651 -> 0.647 and
@@ -40,10 +41,23 @@ from tabfm.preprocess import UNSEEN, Cells
 MIN_LEVELS = MAX_ONEHOT + 1
 """Categorical columns of at least this many levels are encoded (those the linear part shows no one-hot)."""
 MAX_CLASSES = 10
-"""A classification table of more classes than this is not encoded (one column per class and level column; the
-trees' fit time already grows with the classes)."""
+"""A classification table of up to this many classes has every column of MIN_LEVELS levels encoded, one output
+per class and column."""
+MAX_MANY_CLASS_WIDTH = 100
+"""A table of more than MAX_CLASSES classes is encoded only while its encodings (columns x classes) stay within
+this many columns: the linear model's and the trees' cost grows with their width times the classes, already the
+largest factor of such a fit. One column of per-class rates up to 100 classes (a synthetic table of 12 and 20
+classes whose 300-level column names each row's likely class: log-loss 2.26 -> 1.69 and 2.76 -> 2.05; the 10
+most frequent classes and one for the rest gave 1.71 and 2.28; tests/test_category_encoding.py)."""
 N_FOLDS = 5
 """Folds of the cross-fitted train rows' encodings (TargetEncoder's default)."""
+
+
+def encodes(n_columns: int, n_classes: int | None) -> bool:
+    """Whether a table with n_columns categorical columns of MIN_LEVELS levels or more and n_classes classes (None:
+    regression) gets their encodings: always up to MAX_CLASSES classes, and past that while the encodings, one per
+    class and column, stay within MAX_MANY_CLASS_WIDTH columns."""
+    return n_classes is None or n_classes <= MAX_CLASSES or n_columns * n_classes <= MAX_MANY_CLASS_WIDTH
 
 
 @dataclass
@@ -61,7 +75,7 @@ class CategoryEncoding:
             seed: int | None) -> tuple[CategoryEncoding | None, Cells]:
         """The encoding of the cells' columns of at least MIN_LEVELS categories, fitted on all their rows, and the
         cells with the rows' cross-fitted encodings (Cells.encoded); (None, cells) where no column qualifies or the
-        table has more than MAX_CLASSES classes. targets: class ids 0..n_classes-1, or real targets (n_classes
+        classes are too many for them (encodes). targets: class ids 0..n_classes-1, or real targets (n_classes
         None; normalised, so that the encodings have the targets' scale). seed: the folds' (None: fresh entropy,
         as a fit of random_state=None draws; the train rows' encodings are kept, so a saved estimator does not
         need it again)."""
@@ -69,11 +83,13 @@ class CategoryEncoding:
         from sklearn.preprocessing import TargetEncoder
 
         columns = np.flatnonzero(cells.is_cat & (cells.n_cats >= MIN_LEVELS))
-        if not len(columns) or (n_classes is not None and n_classes > MAX_CLASSES):
+        if not len(columns) or not encodes(len(columns), n_classes):
             return None, cells
         classes = None if n_classes is None else len(np.unique(targets))
         target_type = "continuous" if classes is None else "binary" if classes == 2 else "multiclass"
-        split = KFold if target_type == "continuous" else StratifiedKFold
+        # stratified where every fold can hold a row of the largest class (many classes of a row or two each cannot)
+        stratify = target_type != "continuous" and np.bincount(targets).max() >= N_FOLDS
+        split = StratifiedKFold if stratify else KFold
         encoder = TargetEncoder(target_type=target_type, smooth="auto",
                                 cv=split(N_FOLDS, shuffle=True, random_state=None if seed is None else seed % 2**32))
         codes = cells.codes[:, columns]

@@ -295,9 +295,9 @@ class LogisticModel:
         same classes and width (a model of a subset of these rows, or of another penalty: the same optimum in
         fewer iterations; 128 hinge columns of 8,600 rows x 26 classes took 411 iterations from zero, 128 from
         the model of 90% of the rows), else at zero. A design without columns (every column categorical with
-        more than MAX_ONEHOT categories, in a table of more classes than category_encoding.MAX_CLASSES) gives the
-        class frequencies, what a logistic regression's unpenalised
-        intercept alone fits."""
+        more than MAX_ONEHOT categories, in a table of too many classes for their target encodings:
+        category_encoding.encodes) gives the class frequencies, what a logistic regression's unpenalised intercept
+        alone fits."""
         from sklearn.linear_model import LogisticRegression
 
         if design.width == 0:

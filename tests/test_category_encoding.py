@@ -5,12 +5,14 @@ import numpy as np
 import pandas as pd
 import pytest
 from sklearn.linear_model import LogisticRegression, RidgeCV
-from sklearn.metrics import r2_score, roc_auc_score
+from sklearn.metrics import log_loss, r2_score, roc_auc_score
 from sklearn.model_selection import KFold, StratifiedKFold
 from sklearn.preprocessing import TargetEncoder
 
 from tabfm import TabFMClassifier, TabFMRegressor
-from tabfm.category_encoding import MAX_CLASSES, MIN_LEVELS, N_FOLDS, CategoryEncoding
+from tabfm import category_encoding
+from tabfm.category_encoding import (MAX_CLASSES, MAX_MANY_CLASS_WIDTH, MIN_LEVELS, N_FOLDS, CategoryEncoding,
+                                      encodes)
 from tabfm.linear_base import LinearDesign
 from tabfm.preprocess import UNSEEN, TablePreprocessor
 from tabfm.tree_base import fit_trees, tree_design
@@ -87,16 +89,61 @@ def test_without_an_encoding_an_unseen_category_predicts_as_a_missing_cell():
     np.testing.assert_array_equal(trees.predict_proba(unseen_cells), trees.predict_proba(est._cells_of(rows)))
 
 
-def test_tables_of_few_levels_or_many_classes_are_not_encoded():
+def test_tables_of_few_levels_or_of_too_many_classes_for_their_columns_are_not_encoded():
     X, y = _levels_table(400, MIN_LEVELS - 1)
     cells = _cells(X)
     assert cells.n_cats.max() == MIN_LEVELS - 1
     assert CategoryEncoding.fit(cells, y, None, seed=0) == (None, cells)
     X, _ = _levels_table(400, 150)
-    classes = np.arange(400) % (MAX_CLASSES + 1)
+    X["h"] = X["g"] + "x"  # a second column of 150 levels
     cells = _cells(X)
-    assert CategoryEncoding.fit(cells, classes, MAX_CLASSES + 1, seed=0) == (None, cells)
-    assert CategoryEncoding.fit(cells, classes % MAX_CLASSES, MAX_CLASSES, seed=0)[0] is not None
+    assert cells.is_cat.sum() == 2
+    for K in (2, MAX_CLASSES, MAX_MANY_CLASS_WIDTH // 2):  # one output per class and column (two classes: one)
+        encoding, encoded = CategoryEncoding.fit(cells, np.arange(400) % K, K, seed=0)
+        outputs = 1 if K == 2 else K
+        assert encoded.encoded.shape == (400, 2 * outputs) and encoding.tables.shape[2] == outputs
+    K = MAX_MANY_CLASS_WIDTH // 2 + 1  # 2 x 51 outputs: past the width many classes may take
+    assert CategoryEncoding.fit(cells, np.arange(400) % K, K, seed=0) == (None, cells)
+    assert encodes(1, MAX_MANY_CLASS_WIDTH) and not encodes(1, MAX_MANY_CLASS_WIDTH + 1)
+    assert encodes(50, MAX_CLASSES) and encodes(50, None)  # up to MAX_CLASSES classes or a regression: any width
+
+
+def test_classes_of_fewer_rows_than_folds_are_encoded_over_unstratified_folds():
+    X, _ = _levels_table(300, 120)
+    y = np.arange(300) % 75  # 4 rows a class: StratifiedKFold's 5 folds cannot each hold one
+    cells = _cells(X)
+    assert cells.n_cats[cells.is_cat].min() >= MIN_LEVELS
+    encoding, encoded = CategoryEncoding.fit(cells, y, 75, seed=3)
+    reference = TargetEncoder(target_type="multiclass", cv=KFold(N_FOLDS, shuffle=True, random_state=3))
+    np.testing.assert_array_equal(encoding.columns, np.flatnonzero(cells.is_cat))
+    np.testing.assert_array_equal(encoded.encoded, reference.fit_transform(cells.codes[:, encoding.columns], y))
+
+
+def _many_class_levels_table(n: int, levels: int, K: int, seed: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """K classes: 60% of the rows take their level's class (a level of 300 names each row's likely class), the rest a
+    class from the bins of a numeric column."""
+    rng = np.random.default_rng(seed)
+    level, x = rng.integers(0, levels, n), rng.normal(size=(n, 2))
+    bins = np.digitize(x[:, 0] + 0.3 * rng.normal(size=n), np.quantile(x[:, 0], np.linspace(0, 1, K + 1)[1:-1]))
+    y = np.where(rng.random(n) < 0.6, rng.integers(0, K, levels)[level], bins)
+    return pd.DataFrame({"g": [f"l{v}" for v in level], "a": x[:, 0], "b": x[:, 1]}), y
+
+
+def test_a_table_of_more_classes_than_the_head_learns_a_column_of_300_levels(monkeypatch, tmp_path):
+    K = 2 * MAX_CLASSES
+    X, y = _many_class_levels_table(1500, 300, K, seed=0)
+    train, test = slice(0, 1200), slice(1200, None)
+    est = TabFMClassifier(n_estimators=4, n_jobs=1).fit(X[train], y[train])
+    assert est.category_encoding_.tables.shape[2] == K
+    ours = log_loss(y[test], est.predict_proba(X[test]), labels=np.arange(K))
+    monkeypatch.setattr(category_encoding, "MAX_MANY_CLASS_WIDTH", 0)  # as before: no encoding past 10 classes
+    plain = TabFMClassifier(n_estimators=4, n_jobs=1).fit(X[train], y[train])
+    assert plain.category_encoding_ is None
+    before = log_loss(y[test], plain.predict_proba(X[test]), labels=np.arange(K))
+    assert ours < before - 0.4  # 2.02 vs 2.74
+    est.save(tmp_path / "est")
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "est").predict_proba(X[test]),
+                                  est.predict_proba(X[test]))
 
 
 def test_the_trees_read_the_encodings_after_the_cells_columns():
