@@ -22,7 +22,6 @@ trees for that version.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -76,8 +75,7 @@ def fit_trees(cells: Cells, y: np.ndarray, n_classes: int | None, seed: int) -> 
         model = HistGradientBoostingRegressor(**options)
     else:
         model = HistGradientBoostingClassifier(**options)
-    with _tree_threads(), warnings.catch_warnings():  # "more classes than half the rows ... a regression
-        warnings.filterwarnings("ignore", "The number of unique classes", UserWarning)  # problem?": classes are given
+    with _tree_threads():
         return TreeModel(model.fit(X, y), n_classes)
 
 

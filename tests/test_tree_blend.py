@@ -2,7 +2,6 @@
 held-out train rows prefer them, saved with skops and read back at load."""
 
 import pickle
-import warnings
 
 import numpy as np
 import pandas as pd
@@ -338,14 +337,3 @@ def test_a_pickle_from_before_the_trees_gets_their_parameter():
     old.__setstate__(state)
     assert old.get_params()["tree_blend"] is True and clone(old).tree_blend is True
     np.testing.assert_array_equal(old.predict_proba(X[250:]), clf.predict_proba(X[250:]))
-
-
-def test_trees_of_more_classes_than_half_the_rows_fit_without_scikit_learns_regression_hint():
-    """The classes are given, so scikit-learn's "`y` could represent a regression problem" warning, raised by every
-    tree fit of such a table (a fold, the final fit, each predict's refit at load), says nothing to the user."""
-    X = pd.DataFrame({"a": np.arange(60.0), "b": np.arange(60.0) % 7})
-    cells = TablePreprocessor().fit(X).transform(X)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        trees = fit_trees(cells, np.arange(60) % 40, 40, seed=0)
-    assert trees.predict_proba(cells).shape == (60, 40)
