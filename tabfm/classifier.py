@@ -60,12 +60,14 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         How categorical columns are shown, cycled over the members: the model's hashed category embedding, the
         category's code as a number, or 0/1 columns (columns of at most 10 categories). The shipped model reads
         codes as numbers far better than through its embedding (docs/accuracy.md, "How the default got here").
-    max_features : int or None, default=24
+    max_features : int, "auto" or None, default="auto"
         Each member of a table with more kept columns sees a random subset of this many (the members together
         see every column, or, on tables wider than n_estimators x max_features, the columns that explain most
         of y alone); None: every member sees all columns, on tables of at most the model's 100 (a wider table
-        is refused: set max_features). The shipped model was pretrained mostly on narrow tables: subsets of 24
-        were better on 7 of the 9 tables wider than that.
+        is refused: set max_features). "auto": 24 on tables of at most the model's 100 columns (the shipped
+        model was pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables of 25-90
+        columns), 64 on wider ones, where 24 shows a member a few percent of the columns
+        (tabfm.ensemble.auto_max_features).
     checkpoint : str, path or None, default=None
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
     categorical_features : "auto", list of int or str, or boolean mask, default="auto"
@@ -143,7 +145,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                                     "mix_contexts": ["boolean"], "tree_blend": ["boolean"]}
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
-                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | str | None = "auto",
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,

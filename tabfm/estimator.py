@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 from sklearn.base import BaseEstimator
-from sklearn.utils._param_validation import Interval
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.category_encoding import CategoryEncoding
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import Member, auto_members, draw_members, member_cells, member_width
+from tabfm.ensemble import Member, auto_max_features, auto_members, draw_members, member_cells, member_width
 from tabfm.estimator_model import load_estimator_model, weights_digest
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
@@ -78,7 +78,7 @@ def _fit_or_keep(fit):
 
 _VIEW_LIST = [tuple, list, str]
 _BASE_CONSTRAINTS = {**ESTIMATOR_PARAMETER_CONSTRAINTS, "numeric_transforms": _VIEW_LIST,
-                     "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), None],
+                     "categorical_views": _VIEW_LIST, "max_features": [_PositiveInt(), StrOptions({"auto"}), None],
                      "local_context_rows": [Interval(numbers.Integral, 2, None, closed="left"), None]}
 _BASE_CONSTRAINTS.pop("calibrate")
 
@@ -90,7 +90,7 @@ class _TabFMBase(BaseEstimator):
     _parameter_constraints: dict = _BASE_CONSTRAINTS
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
-                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | str | None = "auto",
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,
@@ -155,19 +155,20 @@ class _TabFMBase(BaseEstimator):
             if len(y) != len(cells.values):
                 raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
             self.category_encoding_, cells = CategoryEncoding.fit(cells, *self._encoding_targets(y), self.seed_)
-            C = cells.values.shape[1]
-            shown, limit = min(C, self.max_features or C), model.config.max_columns
+            C, limit = cells.values.shape[1], model.config.max_columns
+            width = auto_max_features(C, limit) if self.max_features == "auto" else self.max_features
+            shown = min(C, width or C)
             if shown > limit:
                 raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "
                                  f"member {shown}, but the model takes at most {limit}: set max_features to at most "
-                                 f"{limit} (members then see subsets; the default is 24)")
+                                 f"{limit} (members then see subsets), or to \"auto\"")
             self.n_members_ = n_members
             y = self._context_targets(cells, y)
             rng = np.random.default_rng(self.seed_)
             relevance = (column_relevance(cells, self._relevance_targets(y))
-                         if self.max_features is not None and C > self.max_features else None)
-            self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views,
-                                         self.max_features, rng, relevance)
+                         if width is not None and C > width else None)
+            self.members_ = draw_members(n_members, C, self.numeric_transforms, self.categorical_views, width, rng,
+                                         relevance)
             self._draw_contexts(cells, y, rng, relevance=relevance, held=held, held_members=held_members)
             self.train_cells_, self.y_train_ = cells, y
             self.contexts_ = None

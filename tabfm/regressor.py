@@ -86,7 +86,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
                                     "calibrate": ["boolean"], "mix_contexts": ["boolean"], "tree_blend": ["boolean"]}
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
-                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | None = 24,
+                 categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | str | None = "auto",
                  checkpoint: str | Path | None = None, categorical_features: str | list[int | str] = "auto",
                  max_context_rows: int | None = None, batch_size: int = 1024, device: str = "cpu",
                  dtype: str = "float32", precision: str = "auto", tensor_parallel: tuple[int, int] | None = None,

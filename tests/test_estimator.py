@@ -14,7 +14,7 @@ from builders import mixed_frame
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from tabfm import calibration, estimator, estimator_model, inference, tree_fits
-from tabfm.ensemble import class_codes
+from tabfm.ensemble import NARROW_MAX_FEATURES, WIDE_MAX_FEATURES, auto_max_features, class_codes
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.linear_base import LogisticModel
 
@@ -99,9 +99,22 @@ def test_members_that_would_see_more_columns_than_the_model_takes_are_refused():
             TabFMClassifier(n_estimators=1, max_features=max_features).fit(X, y)
 
 
+def test_auto_max_features_shows_members_24_columns_up_to_the_models_100_and_64_past_them():
+    rng = np.random.default_rng(0)
+    for columns, width in ((30, NARROW_MAX_FEATURES), (100, NARROW_MAX_FEATURES), (101, WIDE_MAX_FEATURES),
+                           (150, WIDE_MAX_FEATURES)):
+        X = rng.normal(size=(60, columns))
+        est = TabFMClassifier(n_estimators=2).fit(X, (X[:, 0] > 0).astype(int))
+        assert est.max_features == "auto" and {len(m.columns) for m in est.members_} == {width}, columns
+    X = rng.normal(size=(60, 150))
+    est = TabFMClassifier(n_estimators=2, max_features=40).fit(X, (X[:, 0] > 0).astype(int))
+    assert {len(m.columns) for m in est.members_} == {40}  # a number is taken as given
+    assert auto_max_features(150, 100) == 64 and auto_max_features(150, 48) == 48  # never past the model's
+
+
 @pytest.mark.parametrize("cls", [TabFMClassifier, TabFMRegressor])
 def test_a_table_wider_than_the_model_is_read_through_its_most_relevant_columns(cls):
-    """150 columns, of which the last 3 decide y: the default (max_features=24) fits it; 2 members x 24 columns
+    """150 columns, of which the last 3 decide y: max_features=24 fits it; 2 members x 24 columns
     cannot see all 150, so they see columns of the 48 that explain y best alone, the 3 that matter among them
     (48 drawn at random would hold all 3 about 3% of the time): the 12 best in both (the core, CORE_SHARE of 24)
     and 12 more each, dealt from the other 36. The classifier's core holds the 3; the regressor's relevance
@@ -110,7 +123,7 @@ def test_a_table_wider_than_the_model_is_read_through_its_most_relevant_columns(
     X = rng.normal(size=(200, 150))
     signal = X[:, 147] + X[:, 148] - X[:, 149]
     y = (signal > 0).astype(int) if cls is TabFMClassifier else signal
-    est = cls(n_estimators=2, dtype="float64").fit(X[:120], y[:120])
+    est = cls(n_estimators=2, dtype="float64", max_features=24).fit(X[:120], y[:120])
     seen = np.unique(np.concatenate([m.columns for m in est.members_]))
     shared = set(est.members_[0].columns.tolist()) & set(est.members_[1].columns.tolist())
     assert len(seen) == 12 + 2 * 12 and len(shared) == 12 and {147, 148, 149} <= set(seen.tolist())
