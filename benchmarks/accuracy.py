@@ -16,7 +16,10 @@ fifth, `highcard` (12 tables of about 3,000 rows, benchmarks/datasets/highcard; 
 a categorical column of 100-1,725 levels each (schools, people, routes, aircraft...), where none of the 56 has one
 above 68. A sixth, `highcard_holdout` (12 tables of 2,148-3,000 rows, benchmarks/datasets/highcard_holdout; named
 with --suites highcard_holdout), is highcard's holdout: columns of 133-2,095 levels, built by the same rules before
-any model was scored on them, since highcard was used to choose how such columns are handled. Every table
+any model was scored on them, since highcard was used to choose how such columns are handled. A seventh, `wide`
+(12 tables of 56-1,107 features and 165-2,930 rows, benchmarks/datasets/wide; named with --suites wide), is the
+regime of more columns than the 90 at most of the others, where each ensemble member sees a subset of
+max_features columns; built before any model was scored on them and never used to choose anything. Every table
 (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds stored in its sidecar (`fold_ids`: train
 on the other folds, test on fold k), so every model sees exactly the same splits. Rows whose target is null are
 dropped. Models, all fitted on the same rows in this one process (the scikit-learn baselines with one OpenMP /
@@ -89,11 +92,12 @@ from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGR
 
 SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATASETS_DIR / "large",
           "holdout": DATASETS_DIR / "holdout", "highcard": DATASETS_DIR / "highcard",
-          "highcard_holdout": DATASETS_DIR / "highcard_holdout"}
-"""Where each suite's tables live ("large", "holdout", "highcard" and "highcard_holdout" are scored only when named:
-the large tables take minutes each, the holdout tables are the check that nothing was tuned on, the highcard tables
-are those with a categorical column of more than 100 levels, and the highcard_holdout tables are a second such set,
-built before any model was scored on them and never used to choose anything)."""
+          "highcard_holdout": DATASETS_DIR / "highcard_holdout", "wide": DATASETS_DIR / "wide"}
+"""Where each suite's tables live ("large", "holdout", "highcard", "highcard_holdout" and "wide" are scored only when
+named: the large tables take minutes each, the holdout tables are the check that nothing was tuned on, the highcard
+tables are those with a categorical column of more than 100 levels, the highcard_holdout tables are a second such
+set, built before any model was scored on them and never used to choose anything, and the wide tables, as
+highcard_holdout's, are those of 56-1,107 feature columns)."""
 HGB_MAX_LEVELS = 255
 """HistGradientBoosting's max_bins: the most levels a column it treats as categorical may have."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
