@@ -19,7 +19,8 @@ with --suites highcard_holdout), is highcard's holdout: columns of 133-2,095 lev
 any model was scored on them, since highcard was used to choose how such columns are handled. A seventh, `wide`
 (12 tables of 56-1,107 features and 165-2,930 rows, benchmarks/datasets/wide; named with --suites wide), is the
 regime of more columns than the 90 at most of the others, where each ensemble member sees a subset of
-max_features columns; built before any model was scored on them and never used to choose anything. Every table
+max_features columns; built before any model was scored on them, then used to choose max_features="auto"'s
+width past the model's 100 columns (so no holdout for that). Every table
 (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds stored in its sidecar (`fold_ids`: train
 on the other folds, test on fold k), so every model sees exactly the same splits. Rows whose target is null are
 dropped. Models, all fitted on the same rows in this one process (the scikit-learn baselines with one OpenMP /
