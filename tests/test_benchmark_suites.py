@@ -28,6 +28,9 @@ def test_every_suite_has_its_tables():
 def test_table_reads_as_its_sidecar_says(suite, name):
     folder = accuracy.SUITES[suite]
     meta = json.loads((folder / f"{name}.json").read_text())
+    assert len(meta["fold_ids"]) == meta["n_rows"] and sorted(set(meta["fold_ids"])) == [0, 1, 2, 3, 4]
+    if suite in accuracy.BUILT_SUITES and not (folder / f"{name}.parquet").is_file():
+        pytest.skip(f"the {suite} suite's tables are built, not kept: {accuracy.BUILT_SUITES[suite]}")
     assert hashlib.sha256((folder / f"{name}.parquet").read_bytes()).hexdigest() == meta["parquet_sha256"]
     table = accuracy.load_real_table(name, suite)
     assert table.X.columns == meta["feature_columns"] and meta["target"] not in table.X.columns
@@ -38,6 +41,18 @@ def test_table_reads_as_its_sidecar_says(suite, name):
         assert len(np.unique(table.y[table.folds != 0])) == len(np.unique(table.y))
     else:
         assert np.isfinite(table.y).all() and table.y.std() > 0
+
+
+def test_a_suite_not_yet_built_is_refused_with_the_command_that_builds_it(monkeypatch, tmp_path, capsys):
+    wide = accuracy.SUITES["wide"]
+    for item in wide.glob("*.json"):  # the sidecars alone, as a fresh clone has them
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    monkeypatch.setitem(accuracy.SUITES, "wide", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--suites", "wide", "--models", "logreg", "--folds", "1"])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    assert "the wide suite's tables are built, not kept in the repository: run " + accuracy.BUILT_SUITES["wide"] in (
+        capsys.readouterr().err)
 
 
 def test_report_only_reads_every_score_and_says_so(monkeypatch, capsys):
