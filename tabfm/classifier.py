@@ -66,8 +66,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         of y alone); None: every member sees all columns, on tables of at most the model's 100 (a wider table
         is refused: set max_features). "auto": 24 on tables of at most the model's 100 columns (the shipped
         model was pretrained mostly on narrow tables: subsets of 24 were better on 7 of the 9 tables of 25-90
-        columns), 64 on wider ones, where 24 shows a member a few percent of the columns
-        (tabfm.ensemble.auto_max_features).
+        columns), 64 on wider ones, where 24 shows a member a few percent of the columns; TabFMRegressor keeps 24
+        there, its ridge base reading every column (tabfm.ensemble.auto_max_features).
     checkpoint : str, path or None, default=None
         A merged .safetensors file or a checkpoint folder; None: the shipped model.
     categorical_features : "auto", list of int or str, or boolean mask, default="auto"

@@ -35,7 +35,8 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from tabfm import calibration, forward_sizes, heap_release
 from tabfm.category_encoding import CategoryEncoding
 from tabfm.data.encode import IGNORE_LABEL, Batch
-from tabfm.ensemble import Member, auto_max_features, auto_members, draw_members, member_cells, member_width
+from tabfm.ensemble import (WIDE_MAX_FEATURES, Member, auto_max_features, auto_members, draw_members, member_cells,
+                            member_width)
 from tabfm.estimator_model import load_estimator_model, weights_digest
 from tabfm.inference import Context, encode_context, predict_logits
 from tabfm.inference_precision import resolve_precision, resolve_weight_dtype
@@ -88,6 +89,8 @@ class _TabFMBase(BaseEstimator):
 
     _task: str = ""
     _parameter_constraints: dict = _BASE_CONSTRAINTS
+    _wide_max_features: int = WIDE_MAX_FEATURES
+    """What max_features="auto" shows a member of a table wider than the model (tabfm.ensemble.auto_max_features)."""
 
     def __init__(self, n_estimators: int | str = "auto", *, numeric_transforms: tuple[str, ...] = ("none", "power"),
                  categorical_views: tuple[str, ...] = ("ordinal",), max_features: int | str | None = "auto",
@@ -156,7 +159,8 @@ class _TabFMBase(BaseEstimator):
                 raise ValueError(f"X has {len(cells.values)} rows but y has {len(y)}")
             self.category_encoding_, cells = CategoryEncoding.fit(cells, *self._encoding_targets(y), self.seed_)
             C, limit = cells.values.shape[1], model.config.max_columns
-            width = auto_max_features(C, limit) if self.max_features == "auto" else self.max_features
+            width = (auto_max_features(C, limit, self._wide_max_features) if self.max_features == "auto"
+                     else self.max_features)
             shown = min(C, width or C)
             if shown > limit:
                 raise ValueError(f"X has {C} informative features and max_features={self.max_features} shows each "

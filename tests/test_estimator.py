@@ -99,7 +99,7 @@ def test_members_that_would_see_more_columns_than_the_model_takes_are_refused():
             TabFMClassifier(n_estimators=1, max_features=max_features).fit(X, y)
 
 
-def test_auto_max_features_shows_members_24_columns_up_to_the_models_100_and_64_past_them():
+def test_auto_max_features_shows_members_24_columns_up_to_the_models_100_and_the_classifiers_64_past_them():
     rng = np.random.default_rng(0)
     for columns, width in ((30, NARROW_MAX_FEATURES), (100, NARROW_MAX_FEATURES), (101, WIDE_MAX_FEATURES),
                            (150, WIDE_MAX_FEATURES)):
@@ -107,9 +107,12 @@ def test_auto_max_features_shows_members_24_columns_up_to_the_models_100_and_64_
         est = TabFMClassifier(n_estimators=2).fit(X, (X[:, 0] > 0).astype(int))
         assert est.max_features == "auto" and {len(m.columns) for m in est.members_} == {width}, columns
     X = rng.normal(size=(60, 150))
+    est = TabFMRegressor(n_estimators=2).fit(X, X[:, 0])  # the regressor's ridge base reads every column: 24
+    assert {len(m.columns) for m in est.members_} == {NARROW_MAX_FEATURES}
     est = TabFMClassifier(n_estimators=2, max_features=40).fit(X, (X[:, 0] > 0).astype(int))
     assert {len(m.columns) for m in est.members_} == {40}  # a number is taken as given
     assert auto_max_features(150, 100) == 64 and auto_max_features(150, 48) == 48  # never past the model's
+    assert auto_max_features(150, 100, NARROW_MAX_FEATURES) == NARROW_MAX_FEATURES
 
 
 @pytest.mark.parametrize("cls", [TabFMClassifier, TabFMRegressor])
