@@ -45,8 +45,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_run_dir_arguments(parser: argparse.ArgumentParser) -> None:
-    """--resume and --overwrite: what to do with a train.out_dir that already holds a run (also the arguments of
-    `python -m tabfm.pretrain`)."""
+    """--resume and --overwrite: what to do with a train.out_dir that already holds a run; --quiet: whether it
+    shows a progress bar (also the arguments of `python -m tabfm.pretrain`)."""
     parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|DIR",
                         help="continue a run: auto (the value of a bare --resume) from the latest checkpoint in "
                         "train.out_dir, from step 0 when it has none; DIR from that checkpoint folder "
@@ -55,6 +55,19 @@ def add_run_dir_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in an out_dir that holds a run: first deletes its metrics.jsonl, "
                         "curves.png, config.yaml, layout.json and what a run wrote in checkpoints/")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar (as --set train.progress=false; metrics.jsonl and errors still come)")
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of a pretrain command line: its --set fields, and train.progress=false for --quiet
+    (ValueError, one line, where --set gives train.progress too)."""
+    if not args.quiet:
+        return list(args.set)
+    given = [item for item in args.set if item.split("=", 1)[0].strip() == "train.progress"]
+    if given:
+        raise ValueError(f"--quiet and --set {given[0]} both set the progress bar; give one of them")
+    return [*args.set, "train.progress=false"]
 
 
 def _pretrain(args: argparse.Namespace) -> int:
@@ -66,7 +79,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.max_restarts < 0:
         return _fail("--nproc must be at least 1 and --max-restarts at least 0")
     try:
-        cfg = pretrain.load_run_config(args.config, args.set)
+        cfg = pretrain.load_run_config(args.config, run_overrides(args))
         pretrain.check_run(cfg, args.nproc, args.resume, args.overwrite, args.config)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)

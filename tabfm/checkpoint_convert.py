@@ -18,8 +18,9 @@ import torch
 
 from tabfm.checkpoint_format import (DTYPES, MANIFEST, MERGED_FORMAT, MODEL, finish_folder, rank_file, save_tensors,
                                      spec_from_json)
-from tabfm.checkpoint_inspect import (check_finite, config_diff, config_from_dict, gather_full, inspect_checkpoint,
-                                      load_finite, meta_model, no_constants, pos_int, read_header, read_manifest)
+from tabfm.checkpoint_inspect import (check_finite, check_folder, config_diff, config_from_dict, gather_full,
+                                      inspect_checkpoint, load_finite, meta_model, no_constants, pos_int, read_header,
+                                      read_manifest)
 from tabfm.checkpoint_io import load_checkpoint
 from tabfm.checkpoint_run import LATEST
 from tabfm.model import ModelConfig, TabFM, build_model
@@ -30,7 +31,10 @@ from tabfm.parallel_model import ParallelOptions, parallelize_model
 
 def _check_output(out: Path, source: Path, overwrite: bool, folder: bool) -> None:
     """Refuse to write over anything unless asked to, and never over the source, or (even when asked) over a
-    folder that is not a checkpoint or a folder where a file is wanted."""
+    folder that is not a checkpoint or a folder where a file is wanted. A source that is no folder is named first:
+    `merge runs/tiny -o runs/tiny/model.safetensors` before the run exists had been told its output lay in the
+    checkpoint being read."""
+    check_folder(source)
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise ValueError(f"{out} is the checkpoint being read, or a file in its folder; write to another path")
     blocker = file_in_the_way(out)

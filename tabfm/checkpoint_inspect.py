@@ -185,13 +185,18 @@ def own_file(ckpt_dir: Path, path: Path) -> Path:
     return path
 
 
+def check_folder(ckpt_dir: Path) -> None:
+    """ValueError (one line) unless ckpt_dir is a folder: what a mistyped checkpoint path gets."""
+    if not ckpt_dir.is_dir():
+        what = "a file, not a folder" if ckpt_dir.is_file() else "no such directory"
+        raise ValueError(f"{ckpt_dir} is not a checkpoint folder ({what})")
+
+
 def read_manifest(ckpt_dir: str | Path) -> dict:
     """The manifest, checked for format, structure, types and consistency (ValueError naming the field)."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / MANIFEST
-    if not ckpt_dir.is_dir():
-        what = "a file, not a folder" if ckpt_dir.is_file() else "no such directory"
-        raise ValueError(f"{ckpt_dir} is not a checkpoint folder ({what})")
+    check_folder(ckpt_dir)
     own_file(ckpt_dir, path)
     if not path.is_file():
         raise ValueError(f"{ckpt_dir} has no {MANIFEST}: not a checkpoint, or its write never finished")

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tabfm import checkpoint as ckpt
-from tabfm._cli_train import add_run_dir_arguments, read_metrics_file
+from tabfm._cli_train import add_run_dir_arguments, read_metrics_file, run_overrides
 from tabfm.checkpoint import latest_checkpoint
 from tabfm.config import RunConfig, dump_config, load_config
 from tabfm.data.config import check_tables_fit_memory
@@ -383,7 +383,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[StepHook] = ()) -> i
     train in the process group torchrun set up (status 1 when a loss turns non-finite). hooks: see train."""
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_run_config(args.config, args.set) if args.config or not args.print_config else load_config()
+        cfg = (load_run_config(args.config, run_overrides(args)) if args.config or not args.print_config
+               else load_config())
     except ValueError as e:
         return _config_error(str(e))
     if args.print_config:

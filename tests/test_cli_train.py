@@ -59,6 +59,25 @@ def test_pretrain_then_verify_merge_reshard_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_pretrain_quiet_hides_the_progress_bar_and_reaches_the_ranks(tmp_path, capsys):
+    steps = ["train.steps=2", "data.batch_size=2", "data.table.max_rows=40"]
+    assert cli.main(["pretrain", "--config", str(TINY), "--set", f"train.out_dir={tmp_path / 'a'}", *steps]) == 0
+    assert "pretrain: 100%" in capsys.readouterr().err  # tqdm's bar, on stderr
+    assert cli.main(["pretrain", "--config", str(TINY), "--quiet", "--set", f"train.out_dir={tmp_path / 'b'}",
+                     *steps, "train.progress=true"]) == 2
+    assert capsys.readouterr().err == ("config error: --quiet and --set train.progress=true both set the progress "
+                                       "bar; give one of them\n")
+    assert not (tmp_path / "b").exists()
+    assert cli.main(["pretrain", "--config", str(TINY), "--quiet", "--set", f"train.out_dir={tmp_path / 'b'}",
+                     *steps]) == 0
+    assert "pretrain:" not in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "b")[0]] == [1, 2]  # the metrics log still comes
+    args = pretrain.build_parser().parse_args(["--config", str(TINY), "--quiet"])
+    assert "--quiet" in launch.worker_argv(pretrain.build_parser(), args)  # what torchrun's ranks are given
+    assert pretrain.main(["--config", str(TINY), "--quiet", "--print-config"]) == 0
+    assert "progress: false" in capsys.readouterr().out
+
+
 def test_checkpoint_tools_never_write_into_or_read_through_links_out_of_the_checkpoint(tmp_path, capsys):
     """merge --overwrite wrote over the checkpoint's own rank file; verify and merge read a rank file, a manifest and
     a run's checkpoints/ that were links to elsewhere."""
@@ -91,6 +110,13 @@ def test_checkpoint_tools_never_write_into_or_read_through_links_out_of_the_chec
 def test_bad_checkpoint_and_run_paths_say_what_is_wrong(tmp_path, capsys):
     assert cli.main(["ckpt", "merge", str(tmp_path / "nope"), "-o", str(tmp_path / "m.safetensors")]) == 2
     assert "error:" in capsys.readouterr().err
+    # README's merge before its run exists had been told that its output lay in the checkpoint being read
+    run = tmp_path / "runs" / "tiny"
+    for command in (["merge", str(run), "-o", str(run / "model.safetensors")],
+                    ["reshard", str(run), "--layout", "2x1", "-o", str(run / "resharded")]):
+        assert cli.main(["ckpt", *command]) == 2
+        assert capsys.readouterr().err == f"error: {run} is not a checkpoint folder (no such directory)\n"
+    assert not (tmp_path / "runs").exists()
     assert cli.main(["plot-run", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
