@@ -279,6 +279,30 @@ def test_with_more_than_two_classes_the_trees_on_every_row_wait_for_their_weight
     assert not _tree_threads_left()
 
 
+def test_no_trees_where_a_class_has_fewer_than_two_rows_to_learn_from(monkeypatch):
+    """120 rows of 70 classes (the calibration's folds keep 100): no tree is fitted, its weight is 0 and
+    scikit-learn's "could represent a regression problem" warning comes once, from the estimator's own check of y,
+    not again from every fit of the trees; 120 rows of 40 classes still get them."""
+    import warnings
+
+    from tabfm import tree_fits
+
+    fitted = []
+    real_fit = tree_fits.fit_trees
+    monkeypatch.setattr(tree_fits, "fit_trees", lambda cells, *a: fitted.append(len(cells.values)) or
+                        real_fit(cells, *a))
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clf = TabFMClassifier(**FAST).fit(X, np.arange(120) % 70)
+    assert fitted == [] and clf.tree_weight_ == 0 and clf.tree_model_ is None
+    hints = [w for w in caught if "could represent a regression problem" in str(w.message)]
+    assert len(hints) == 1 and hints[0].filename.endswith("validation.py")
+    TabFMClassifier(**FAST).fit(X, np.arange(120) % 40)
+    assert len(fitted) >= 1
+
+
 def test_a_failed_tree_fit_fails_the_fit_and_a_failed_forward_stops_the_trees(monkeypatch):
     from tabfm import estimator as estimator_module
     from tabfm import tree_fits
