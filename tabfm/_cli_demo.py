@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Layout(NamedTuple):
@@ -64,14 +67,44 @@ def worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_arguments(args: argparse.Namespace) -> torch.nn.Sequential:
+    """The plain block stack the options describe, once they are checked; ValueError (LayoutError for a layout
+    that does not fit it), one line, for what every rank would otherwise fail on with a traceback, or train on
+    without a word (--tokens 0 gave NaN losses)."""
+    import torch
+
+    from tabfm.parallel import dense
+    from tabfm.parallel.parallelize import block_plan, check_layout
+
+    for flag in ("steps", "depth", "hidden", "heads", "tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    d0, d1 = args.layout
+    if args.sequence_parallel and args.tokens % d0:
+        raise ValueError(f"--sequence-parallel splits the --tokens {args.tokens} over d0={d0}: give a multiple of "
+                         f"{d0}")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(dense.BlockStack(args.depth, args.hidden, args.heads))
+    check_layout(plain, block_plan("0"), d0, d1)
+    return plain
+
+
 def launch(args: argparse.Namespace) -> int:
-    """Run this module under torchrun with the same arguments."""
+    """Check the options here, then run this module under torchrun with the same arguments: a mistake is one line,
+    not a traceback from every rank."""
     from tabfm.launch import run_torchrun, worker_argv
 
     d0, d1 = args.layout
-    nproc = args.nproc or d0 * d1
+    nproc = d0 * d1 if args.nproc is None else args.nproc
     if nproc != d0 * d1:
         print(f"error: layout {d0}x{d1} needs {d0 * d1} processes, not --nproc {nproc}", file=sys.stderr)
+        return 2
+    try:
+        check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return run_torchrun(__name__, worker_argv(worker_parser(), args), nproc)
 
@@ -113,20 +146,15 @@ def _report(losses: list[float], reference: list[float], mesh, args: argparse.Na
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of each rank (and of one process): train on the mesh; rank 0 compares with one process."""
-    import torch
     import torch.distributed as dist
 
-    from tabfm.parallel import dense
     from tabfm.parallel.mesh import ParallelDims, TPMesh
-    from tabfm.parallel.parallelize import block_plan, check_layout, parallelize
+    from tabfm.parallel.parallelize import block_plan, parallelize
     from tabfm.parallel.process_group import process_group, world_size_from_env
 
     args = worker_parser().parse_args(argv)
     d0, d1 = args.layout
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(dense.BlockStack(args.depth, args.hidden, args.heads))
-    # Refuse a bad layout before any process group starts.
-    check_layout(plain, block_plan("0"), d0, d1)
+    plain = check_arguments(args)  # before any process group starts
     world = world_size_from_env()
     ParallelDims(d0, d1).check_world_size(world)
     with process_group("cpu"):

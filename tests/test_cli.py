@@ -47,6 +47,28 @@ def test_demo_refuses_a_process_count_that_does_not_match(capsys):
         _cli_demo.main(["--layout", "2x2"])
 
 
+def test_demo_refuses_bad_options_in_one_line_before_torchrun_starts(capsys, monkeypatch):
+    """Found by a hunt: --layout 1x3 (heads 8), --heads 6 (hidden 64) and --steps 0 started torchrun, whose every
+    rank failed with a traceback; --tokens 0 trained NaN losses without a word."""
+    from tabfm import launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    for argv, message in (
+        (["--layout", "1x3"], "layout 1x3 does not fit the model: norm width 64 is not divisible by d1=3 "
+         "(0.blocks.0.norm1 and 3 more); hidden size 64 is not divisible by d1=3 (0.blocks.0.attn and 3 more); 8 "
+         "attention heads are not divisible by d0*d1=3 (0.blocks.0.attn and 1 more). Layouts with 3 tensor-parallel "
+         "ranks that fit: none: change the number of processes"),
+        (["--heads", "6"], "--hidden 64 is not divisible by --heads 6"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--tokens", "0"], "--tokens must be at least 1, got 0"),
+        (["--sequence-parallel", "--tokens", "31"],
+         "--sequence-parallel splits the --tokens 31 over d0=2: give a multiple of 2"),
+        (["--nproc", "0"], "layout 2x2 needs 4 processes, not --nproc 0"),
+    ):
+        assert cli.main(["demo", *argv]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_demo_runs_on_one_process(capsys):
     assert _cli_demo.main(["--layout", "1x1", "--steps", "3", "--hidden", "16", "--heads", "2"]) == 0
     out = capsys.readouterr().out
