@@ -193,6 +193,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if Path(run_dir).is_file():  # e.g. its metrics.jsonl: checked before -o, whose default lies inside RUN_DIR
+        raise ValueError(f"{run_dir} is a file; give the run's out_dir, the folder that holds metrics.jsonl")
     out = check_png(output if output else Path(run_dir) / "curves.png", "-o")
     train, evals = read_metrics(run_dir)
     train = [r for r in train if all(isinstance(r.get(k), int | float) for k in ("loss", "lr"))]  # else no curve
@@ -221,6 +223,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         axes[2].legend()
     fig.suptitle(f"tabfm run {run_dir}")
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)  # as `tabfm plan --png` does
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

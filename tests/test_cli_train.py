@@ -121,6 +121,21 @@ def test_bad_checkpoint_and_run_paths_say_what_is_wrong(tmp_path, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+def test_plot_run_names_a_file_given_for_the_run_and_makes_the_output_folder(tmp_path, capsys):
+    """Found by a hunt: `plot-run RUN/metrics.jsonl` blamed an -o never given (`-o RUN/metrics.jsonl/curves.png:
+    ... is a file`), and `-o new/curves.png` failed after drawing with `[Errno 2] No such file or directory`."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / s, "lr": 1e-3}) + "\n"
+                                               for s in (1, 2, 3)))
+    assert cli.main(["plot-run", str(run / "metrics.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"error: {run / 'metrics.jsonl'} is a file; give the run's out_dir, the "
+                                       "folder that holds metrics.jsonl\n")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert cli.main(["plot-run", str(run), "-o", str(tmp_path / "new" / "curves.png")]) == 0
+    assert (tmp_path / "new" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # `tabfm pretrain`: a run folder is resumed, overwritten or refused; mistakes fail in the launcher, in one line
 # ---------------------------------------------------------------------------------------------------------
