@@ -128,6 +128,8 @@ def preset_path(kind: str, name: str | Path, also: Sequence[str] = ()) -> Path:
     looks_like_a_path = path.suffix in (".yaml", ".yml") or len(path.parts) > 1
     if looks_like_a_path and path.is_file():
         return path
+    if looks_like_a_path and path.is_dir():  # it exists: "does not exist" sent one looking for a typo
+        raise ConfigError(f"{kind} config file {name} is a folder; give a .yaml file in it")
     if not looks_like_a_path and (preset_dir(kind) / f"{name}.yaml").is_file():
         return preset_dir(kind) / f"{name}.yaml"
     choices = ", ".join([*preset_names(kind), *also]) or "(none)"

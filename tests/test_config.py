@@ -193,6 +193,13 @@ def test_a_key_given_twice_and_a_folder_for_a_file_are_refused(tmp_path):
     assert load_config(path).train.steps == 2
 
 
+def test_a_folder_for_a_preset_file_is_named_a_folder(tmp_path):
+    """Found by a hunt: `tabfm plan --topology configs/topology` said the folder does not exist."""
+    assert _error(load_topology, tmp_path) == f"topology config file {tmp_path} is a folder; give a .yaml file in it"
+    assert _error(load_config, TINY, [f"model={tmp_path}"]) == \
+        f"model config file {tmp_path} is a folder; give a .yaml file in it (from --set model={tmp_path})"
+
+
 def test_topology_errors_name_the_key_the_file_and_the_choices(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("devices: 2\nmemory_gb: 1\ncompute: {peak_tflops: 1, memory_bandwidth_gbs: 1}\n"
