@@ -24,6 +24,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from tabfm._cli_demo import parse_layout
 from tabfm.table_io import NA_VALUES
@@ -203,6 +204,10 @@ def load_train(args: argparse.Namespace):
     if args.target in _categorical_columns(args):
         raise ValueError(f"--categorical names the target {args.target!r}; it lists feature columns only (a "
                          "classification target is read as classes anyway: --task classification)")
+    unknown = [c for c in _categorical_columns(args) if c not in X.columns]
+    if unknown:  # else the estimator's fit refused it, as "categorical_features names ...", a name never typed
+        raise ValueError(f"--categorical names {unknown[0]!r}, which is not a column of {args.train}; its feature "
+                         f"columns: {', '.join(map(repr, X.columns))}")
     task, why = _task(args, y)
     if task == "classification":
         y = _labels_as_written(y, target_text, None if labelled.all() else labelled)
@@ -431,6 +436,10 @@ def _predict(args: argparse.Namespace) -> int:
                      "choose one")
     if args.layout is not None and args.layout[0] * args.layout[1] != args.nproc:
         return _fail(f"--layout {args.layout[0]}x{args.layout[1]} needs --nproc {args.layout[0] * args.layout[1]}")
+    if args.checkpoint is not None and not Path(args.checkpoint).exists():  # else found after reading and fitting
+        return _fail(f"--checkpoint {args.checkpoint} does not exist; give a merged .safetensors file or a checkpoint "
+                     "folder (`tabfm ckpt merge RUN_DIR -o model.safetensors`), or leave --checkpoint out for the "
+                     "shipped model")
     try:  # before any work, and before torchrun starts processes
         table_write.check_output(args.output, (args.train, args.test), args.overwrite)
         if args.nproc == 1 and args.data_parallel == 1:

@@ -247,6 +247,24 @@ def test_predict_errors(tables, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--categorical", "flag,color"], "--categorical names 'color', which is not a column of {train}; its feature "
+     "columns: 'x', 'noise', 'colour', 'flag', 'const', 'gappy', 'amount'"),
+    (["--checkpoint", "runs/tiny/model.safetensors"], "--checkpoint runs/tiny/model.safetensors does not exist; give "
+     "a merged .safetensors file or a checkpoint folder (`tabfm ckpt merge RUN_DIR -o model.safetensors`), or leave "
+     "--checkpoint out for the shipped model"),
+])
+def test_predict_names_its_own_flags_before_fitting(tables, capsys, args, message):
+    """Found by a hunt: a mistyped --categorical column or --checkpoint path was refused only by the estimator,
+    after reading the tables and (for the column) fitting, as `categorical_features names 'color' ... of X` or
+    `... or checkpoint=None for the shipped model`: Python names the command line never had."""
+    out = tables / "pred.csv"
+    assert main(["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test",
+                 str(tables / "test.csv"), "-o", str(out), "--quiet", *args]) == 2
+    assert capsys.readouterr().err == f"tabfm predict: error: {message.format(train=tables / 'train.csv')}\n"
+    assert not out.exists()
+
+
 def test_precision_bf16_is_close_to_fp32_and_bfloat16_weights_are_gone(tables, capsys):
     argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
             "--proba", "--n-estimators", "1"]
