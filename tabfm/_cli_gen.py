@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -67,12 +68,12 @@ def prepare_out(out: str, overwrite: bool) -> None:
             old.unlink()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Write the tables; 0 on success, 2 on a bad option (with what to change)."""
-    from tqdm import tqdm
+_FLAG_NAMES = re.compile(r"\b(?:table\.|data\.)?(min_rows|max_rows|min_features|max_features|max_classes|seed)\b")
 
-    from tabfm.data.dump import check_fits_disk, write_tables
 
+def data_config(args: argparse.Namespace) -> DataConfig:
+    """The prior's config from gen's options; its ValueError in gen's own words (--max-rows, not table.max_rows: a
+    key of a config file that gen has none of)."""
     try:
         table = replace(
             TableConfig(),
@@ -82,7 +83,19 @@ def run(args: argparse.Namespace) -> int:
             max_features=args.max_features,
             max_classes=args.max_classes,
         )
-        cfg = DataConfig(seed=args.seed, prior=PriorConfig(name=args.prior), table=table)
+        return DataConfig(seed=args.seed, prior=PriorConfig(name=args.prior), table=table)
+    except ValueError as e:
+        raise ValueError(_FLAG_NAMES.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the tables; 0 on success, 2 on a bad option (with what to change)."""
+    from tqdm import tqdm
+
+    from tabfm.data.dump import check_fits_disk, write_tables
+
+    try:
+        cfg = data_config(args)
         check_tables_fit_memory(args.max_rows, args.max_features, 1, f"--max-rows {args.max_rows}")
         if args.workers < 0:
             raise ValueError(f"--workers={args.workers} must be >= 0")

@@ -155,6 +155,19 @@ def test_gen_refuses_tables_larger_than_memory_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_gen_names_its_own_flags_in_a_bad_table_shape(tmp_path, capsys):
+    """Found by a hunt: `--max-rows 32` was told `table.min_rows=64 > table.max_rows=32; make min_rows <=
+    max_rows`, keys of a config file that gen has none of."""
+    out = tmp_path / "tables"
+    for extra, message in ((["--max-rows", "32"], "--min-rows=64 > --max-rows=32; make --min-rows <= --max-rows"),
+                           (["--max-rows", "64", "--min-rows", "8", "--max-classes", "10"],
+                            "--min-rows=8 is too few for 10 classes; raise --min-rows to >= 20 or lower --max-classes"),
+                           (["--seed", "-1"], "--seed=-1 must be >= 0 (it seeds numpy's SeedSequence)")):
+        assert cli.main(["gen", "--n-tables", "1", "--out", str(out), "--quiet", *extra]) == 2
+        assert capsys.readouterr().err == f"tabfm gen: error: {message}\n"
+    assert not out.exists()
+
+
 def test_gen_refuses_a_file_as_out(tmp_path, capsys):
     f = tmp_path / "x.parquet"
     f.write_text("keep")
