@@ -35,12 +35,12 @@ def check_output(path: str | None, inputs: Iterable[str | Path] = (), overwrite:
     if path is None or path == STDOUT:
         return None
     p = Path(path)
+    if p.is_dir():  # first: an existing folder named without an extension was told to get one
+        raise TableError(f"{path}: is a folder; give a file name such as {p / 'predictions.csv'}")
     if p.suffix.lower() not in WRITE_FORMATS:
         what = f"extension {p.suffix!r}" if p.suffix else "no extension"
         raise TableError(f"{path}: cannot write a table with {what}; name it .csv, .tsv or .parquet "
                          "(or leave -o out for stdout)")
-    if p.is_dir():
-        raise TableError(f"{path}: is a folder; give a file name such as {p / 'predictions.csv'}")
     folder = p.parent
     blocker = file_in_the_way(p)
     if blocker is not None:

@@ -28,12 +28,14 @@ def test_check_output_refuses_before_any_work(tmp_path):
         (tmp_path / "no" / "p.csv", f"folder {tmp_path / 'no'} does not exist; create it first"),
         (tmp_path / "train.csv" / "p.csv", f"{tmp_path / 'train.csv'} is a file, not a folder"),  # a fuzzer's
         (tmp_path / "dir.csv", "is a folder"),
+        (tmp_path / "outdir", f"is a folder; give a file name such as {tmp_path / 'outdir' / 'predictions.csv'}"),
         (tmp_path / "sub" / ".." / "train.csv", "is the input table"),
         (tmp_path / "link.csv", "is the input table"),
         (tmp_path / "old.csv", "old.csv: already exists; choose another output file, or replace it with --overwrite"),
     ]
     _write(tmp_path / "old.csv", "an earlier run\n")
     (tmp_path / "dir.csv").mkdir()
+    (tmp_path / "outdir").mkdir()  # a folder without an extension was told to get one
     (tmp_path / "sub").mkdir()
     os.symlink(train, tmp_path / "link.csv")
     for path, message in cases:
