@@ -232,7 +232,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
 def _plot_run(args: argparse.Namespace) -> int:
     try:
         out = plot_run(args.run_dir, args.output)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: an -o it may not write (PermissionError) or a full disk
         return _fail(str(e))
     print(f"wrote {out}")
     return 0

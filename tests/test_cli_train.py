@@ -107,6 +107,23 @@ def test_checkpoint_tools_never_write_into_or_read_through_links_out_of_the_chec
     assert "checkpoints is a link" in capsys.readouterr().err
 
 
+def test_plot_run_that_cannot_write_its_png_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """An -o it may not write (as root here, faked) had escaped as a PermissionError traceback."""
+    import matplotlib.figure
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "task": "classification", "loss": 1.0, "lr": 1e-3})
+                                       + "\n")
+
+    def refuse(self, path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refuse)
+    assert cli.main(["plot-run", str(run), "-o", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == f"error: [Errno 13] Permission denied: '{tmp_path / 'c.png'}'\n"
+
+
 def test_bad_checkpoint_and_run_paths_say_what_is_wrong(tmp_path, capsys):
     assert cli.main(["ckpt", "merge", str(tmp_path / "nope"), "-o", str(tmp_path / "m.safetensors")]) == 2
     assert "error:" in capsys.readouterr().err
