@@ -202,4 +202,5 @@ def test_cli_gen_writes_tables(tmp_path):
 def test_cli_gen_bad_option_says_what_to_change(tmp_path, capsys):
     args = _gen_parser().parse_args(["gen", "--out", str(tmp_path), "--min-rows", "500", "--max-rows", "100"])
     assert args.run(args) == 2
-    assert "min_rows" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("tabfm gen: error: --min-rows=500 > --max-rows=100; make --min-rows <= "
+                                       "--max-rows\n")
