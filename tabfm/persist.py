@@ -271,6 +271,9 @@ def save_estimator(est: Any, path: str | Path) -> None:
             p.name in (META_FILE, ARRAYS_FILE, TREES_FILE) and p.is_file() and not p.is_symlink()
             for p in path.iterdir())):  # names alone once let a folder named trees.skops be replaced
         raise ValueError(f"{str(path)!r} exists and is not a saved estimator: choose a new path or remove it")
+    outer = next((p for p in path.resolve().parents if (p / META_FILE).is_file()), None)
+    if outer is not None:  # written there, it made the outer folder one that no later save would replace
+        raise ValueError(f"{str(path)!r} is inside the saved estimator {str(outer)!r}: choose a path outside it")
     if est.contexts_ is None:  # unpickled: encode once now, so the loaded estimator never has to
         with torch_threads(est.n_jobs):  # as predict would: the forwards' split follows the thread count
             est._encode_contexts()

@@ -520,6 +520,23 @@ def test_a_folder_holding_a_folder_of_an_estimator_file_s_name_is_not_replaced(f
     assert (path / "trees.skops" / "precious.txt").read_text() == "keep me"
 
 
+def test_a_save_inside_a_saved_estimator_is_refused(fitted_classifier, saved_classifier, tmp_path):
+    """An audit's finding: a save to a folder inside a saved estimator was written there, and the outer folder, no
+    longer only an estimator's files, was then refused by every later save to it."""
+    outer = Path(shutil.copytree(saved_classifier, tmp_path / "outer"))
+    before = sorted(p.name for p in outer.iterdir())
+    clf, X_test = fitted_classifier
+    for inner in (outer / "inner", outer / "a" / "b", outer / ARRAYS_FILE / "x", outer / ".." / "outer" / "inner"):
+        with pytest.raises(ValueError) as e:
+            clf.save(inner)
+        assert str(e.value) == f"{str(inner.absolute())!r} is inside the saved estimator {str(outer)!r}: choose a " \
+                               "path outside it"
+        assert sorted(p.name for p in outer.iterdir()) == before  # nothing written
+    clf.save(outer)  # the outer one is still replaced by a save
+    clf.save(tmp_path / "outer_sibling")  # a name that only begins like it is outside it
+    np.testing.assert_array_equal(TabFMClassifier.load(outer).predict_proba(X_test), clf.predict_proba(X_test))
+
+
 def test_save_to_the_current_folder_by_a_dot(fitted_classifier, tmp_path, monkeypatch):
     """A fuzzer's finding: est.save('.') failed in pathlib ('.' has an empty name)."""
     (tmp_path / "here").mkdir()
