@@ -261,6 +261,7 @@ def save_estimator(est: Any, path: str | Path) -> None:
 
     check_is_fitted(est, "preprocessor_")
     est._validate_params()  # as load will check them: a folder load refuses is never written
+    _check_saved_weights(est)
     if est.tensor_parallel is not None and tuple(est.tensor_parallel) != (1, 1):
         raise ValueError("cannot save an estimator fitted with tensor_parallel (each rank holds only its share of "
                          "the caches): fit it with tensor_parallel=None to save it")
@@ -307,6 +308,20 @@ def save_estimator(est: Any, path: str | Path) -> None:
         _replace_folder(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_saved_weights(est: Any) -> None:
+    """Refuse a checkpoint parameter that no longer names the weights of the fit (set_params(checkpoint=...) after
+    fit, or the file replaced since): the folder would be saved, then refused by load."""
+    from tabfm.estimator_model import DEFAULT_CHECKPOINT, weights_digest
+
+    fitted = getattr(est, "weights_digest_", None)
+    checkpoint = est.checkpoint
+    if fitted is None or (Path(checkpoint or DEFAULT_CHECKPOINT).exists() and weights_digest(checkpoint) == fitted):
+        return
+    raise ValueError(f"checkpoint={None if checkpoint is None else str(checkpoint)!r} does not name the weights this "
+                     f"{type(est).__name__} was fitted with (set after fit, or the file replaced since), so load would "
+                     "refuse the folder: set checkpoint back, or fit again, before saving")
 
 
 def _digest(t: torch.Tensor) -> str:

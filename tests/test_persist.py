@@ -430,6 +430,26 @@ def test_weights_replaced_at_the_checkpoint_path_are_refused_at_load(tmp_path):
     np.testing.assert_array_equal(pickle.loads(pickled).predict_proba(X), expected)
 
 
+def test_save_refuses_a_checkpoint_set_after_fit(fitted_classifier, tmp_path):
+    """An audit's finding: set_params(checkpoint=...) after fit was saved, and the folder then refused at load
+    ('was fitted with checkpoint ..., which does not exist here', or 'now names other weights')."""
+    odd = copy.copy(fitted_classifier[0])
+    other = _other_weights(DEFAULT_CHECKPOINT, tmp_path / "other.safetensors")
+    for checkpoint in (tmp_path / "missing.safetensors", other):
+        odd.set_params(checkpoint=checkpoint)
+        with pytest.raises(ValueError) as e:
+            odd.save(tmp_path / "odd")
+        assert str(e.value) == (f"checkpoint={str(checkpoint)!r} does not name the weights this TabFMClassifier was "
+                                "fitted with (set after fit, or the file replaced since), so load would refuse the "
+                                "folder: set checkpoint back, or fit again, before saving")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors"]  # nothing written
+    odd.set_params(checkpoint=DEFAULT_CHECKPOINT)  # the same weights by their path: saved, and loaded
+    odd.save(tmp_path / "odd")
+    X_test = fitted_classifier[1]
+    np.testing.assert_array_equal(TabFMClassifier.load(tmp_path / "odd").predict_proba(X_test),
+                                  odd.predict_proba(X_test))
+
+
 def test_a_relative_checkpoint_read_from_another_folder_is_refused(tmp_path, monkeypatch):
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
