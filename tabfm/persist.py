@@ -360,6 +360,9 @@ def _inside(folder: Path, name: str) -> Path:
     """folder/name, refused when a link takes it outside the folder."""
     file = folder / name
     if not file.is_file():
+        if name != META_FILE and (folder / META_FILE).is_file():  # a saved estimator that lost a file
+            raise ValueError(f"{str(folder)!r} is a damaged saved estimator: {name} is missing; save the estimator "
+                             "again")
         raise ValueError(f"{str(folder)!r} is not a saved estimator: {name} is missing (save one with est.save(path))")
     if folder.resolve() not in file.resolve().parents:
         raise ValueError(f"{str(file)!r} links outside the folder {str(folder)!r}; refusing to read it")

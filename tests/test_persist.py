@@ -234,6 +234,19 @@ def test_a_missing_or_damaged_arrays_file_is_refused(copy_of):
         TabFMClassifier.load(copy_of)
 
 
+def test_a_saved_estimator_missing_a_file_is_called_damaged_not_foreign(copy_of):
+    """An audit's finding: a saved estimator whose arrays file was lost was called 'not a saved estimator' and the
+    user told to save one, as for a folder that never held one."""
+    (copy_of / ARRAYS_FILE).unlink()
+    with pytest.raises(ValueError) as e:
+        TabFMClassifier.load(copy_of)
+    assert str(e.value) == f"{str(copy_of)!r} is a damaged saved estimator: {ARRAYS_FILE} is missing; save the " \
+                           "estimator again"
+    (copy_of / META_FILE).unlink()  # no JSON: nothing says it was one
+    with pytest.raises(ValueError, match=f"is not a saved estimator: {META_FILE} is missing"):
+        TabFMClassifier.load(copy_of)
+
+
 def test_a_flipped_bit_in_an_array_or_an_edit_of_the_json_is_refused(copy_of, saved_classifier):
     """A bit flipped in an array's data (the preprocessor's column peaks) loaded and moved predictions; the arrays'
     and the JSON's SHA-256 now refuse it, and the intact copy still loads."""
