@@ -192,8 +192,11 @@ def _nullable_as_numpy(y: Any) -> Any:
 
 
 def check_real_targets(y: Any) -> None:
-    """Refuse complex targets in one line (scikit-learn's message prints the whole array). Read from y's dtype, or
-    a list's: array-likes that are neither are left to column_or_1d."""
+    """Refuse complex targets in one line (scikit-learn's message prints the whole array), and a polars LazyFrame
+    (column_or_1d called it an array of shape ()). Read from y's dtype, or a list's: array-likes that are neither
+    are left to column_or_1d."""
+    if type(y).__name__ == "LazyFrame" and type(y).__module__.startswith("polars"):
+        raise TypeError("y is a polars LazyFrame: collect() it first")
     dtype = np.asarray(y).dtype if isinstance(y, list | tuple) else getattr(y, "dtype", None)
     if getattr(dtype, "kind", None) == "c":
         raise ValueError("y holds complex numbers; targets must be real: pass the real part (np.real) or the "

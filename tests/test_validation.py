@@ -18,7 +18,7 @@ from sklearn.base import BaseEstimator
 from sklearn.utils._param_validation import InvalidParameterError
 from threadpoolctl import threadpool_info
 
-from tabfm.estimator import TabFMClassifier
+from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.preprocess import TablePreprocessor
 from tabfm.raw_columns import raw_column
 from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, check_class_labels, resolve_device, resolve_seed,
@@ -366,6 +366,17 @@ def test_estimator_missing_labels_wired():
     df, y = _frame()
     with pytest.raises(ValueError, match="y holds missing labels"):
         TabFMClassifier(n_estimators=1).fit(df, np.where(y == 1, "yes", None))
+
+
+@pytest.mark.parametrize("Est", [TabFMClassifier, TabFMRegressor])
+def test_a_lazy_y_is_told_to_be_collected(Est):
+    """An audit's finding: y as a polars LazyFrame (as X is refused) was 'a 1d array, got an array of shape ()'."""
+    X = np.random.default_rng(0).normal(size=(20, 2))
+    est = Est(n_estimators=1)
+    with pytest.raises(TypeError) as e:
+        est.fit(X, pl.DataFrame({"y": np.arange(20) % 2}).lazy())
+    assert str(e.value) == "y is a polars LazyFrame: collect() it first"
+    assert not hasattr(est, "classes_") and not hasattr(est, "preprocessor_")  # nothing fitted
 
 
 @pytest.mark.parametrize("params", [{"device": "gpu"}, {"n_estimators": True}, {"random_state": -1},
