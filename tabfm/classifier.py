@@ -191,7 +191,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.classes_, y_ids = np.unique(y, return_inverse=True)
         K = len(self.classes_)
         if K < 2:
-            raise ValueError(f"y has 1 class ({self.classes_[0]!r}): a classifier needs at least two classes")
+            raise ValueError(f"y has 1 class ({self.classes_[:1].tolist()[0]!r}): a classifier needs at least two "
+                             "classes")  # tolist: 'a', not numpy 2's np.str_('a')
         model = self._prepare()
         max_classes = model.config.max_classes
         n_members = code_members(self._members_for(len(y_ids)), K, max_classes, auto=self.n_estimators == "auto")

@@ -79,12 +79,19 @@ def load_estimator_model(checkpoint: str | Path | None, device: torch.device, dt
     from tabfm.parallel_model import ParallelOptions
 
     path = Path(checkpoint) if checkpoint is not None else DEFAULT_CHECKPOINT
+    what_to_pass = ("pass a merged .safetensors file or a checkpoint folder (`tabfm ckpt merge RUN_DIR -o "
+                    "model.safetensors`), or checkpoint=None for the shipped model")
+    if checkpoint is not None and not str(checkpoint).strip():  # Path("") is the working folder
+        raise ValueError(f"checkpoint is an empty string; {what_to_pass}")
     if not path.exists():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist; pass a merged .safetensors file or a checkpoint "
-                         "folder (`tabfm ckpt merge RUN_DIR -o model.safetensors`), or checkpoint=None for the "
-                         "shipped model")
-    if tensor_parallel is None or tuple(tensor_parallel) == (1, 1):
-        return shared_plain_model(str(path.resolve()), path.stat().st_mtime_ns, str(device), dtype)
-    d0, d1 = (int(d) for d in tensor_parallel)
-    options = ParallelOptions(sequence_parallel=sequence_parallel)
-    return load_model(path, _mesh(d0, d1, device), options, dtype=dtype).to(device).eval()
+        raise ValueError(f"checkpoint {str(path)!r} does not exist; {what_to_pass}")
+    try:
+        if tensor_parallel is None or tuple(tensor_parallel) == (1, 1):
+            return shared_plain_model(str(path.resolve()), path.stat().st_mtime_ns, str(device), dtype)
+        d0, d1 = (int(d) for d in tensor_parallel)
+        options = ParallelOptions(sequence_parallel=sequence_parallel)
+        return load_model(path, _mesh(d0, d1, device), options, dtype=dtype).to(device).eval()
+    except ValueError as e:  # the checkpoint's own checks, which name the file but not the parameter
+        if checkpoint is None:
+            raise
+        raise ValueError(f"checkpoint={str(checkpoint)!r} cannot be used: {e}; {what_to_pass}") from None

@@ -536,9 +536,28 @@ def test_class_codes_separate_every_pair():
     assert list(small[0]) == [0, 1, 2] and all(sorted(r) == [0, 1, 2] for r in small)
 
 
-def test_checkpoint_option():
+def test_checkpoint_option(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         TabFMClassifier(checkpoint="/no/such/model.safetensors").fit(np.ones((4, 2)), [0, 1, 0, 1])
+    # the checkpoint's own checks named a file but not the parameter, nor what to pass; "" read the working folder
+    (tmp_path / "notes.txt").write_text("not weights")
+    what_to_pass = ("; pass a merged .safetensors file or a checkpoint folder (`tabfm ckpt merge RUN_DIR -o "
+                    "model.safetensors`), or checkpoint=None for the shipped model")
+    for checkpoint, message in [
+            (tmp_path, f"checkpoint={str(tmp_path)!r} cannot be used: {tmp_path} has no manifest.json: not a "
+                       "checkpoint, or its write never finished"),
+            (tmp_path / "notes.txt", f"checkpoint={str(tmp_path / 'notes.txt')!r} cannot be used: "
+                                     f"{tmp_path / 'notes.txt'} cannot be read as safetensors"),
+            ("", "checkpoint is an empty string")]:
+        with pytest.raises(ValueError) as err:
+            TabFMClassifier(checkpoint=checkpoint).fit(np.ones((4, 2)), [0, 1, 0, 1])
+        assert str(err.value).startswith(message) and str(err.value).endswith(what_to_pass), err.value
+
+
+def test_one_class_is_named_as_the_user_wrote_it():
+    """numpy 2's repr had it as np.str_('a')."""
+    with pytest.raises(ValueError, match=r"^y has 1 class \('a'\): a classifier needs at least two classes$"):
+        TabFMClassifier(n_estimators=1).fit(np.ones((4, 2)), np.array(["a"] * 4))
 
 
 def _sharded_predictions(tp: tuple[int, int] | None, sp: bool) -> tuple[np.ndarray, np.ndarray]:
