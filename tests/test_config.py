@@ -205,7 +205,7 @@ def test_topology_errors_name_the_key_the_file_and_the_choices(tmp_path):
     path.write_text("devices: 2\nmemory_gb: 1\ncompute: {peak_tflops: 1, memory_bandwidth_gbs: 1}\n"
                     "levels: [{name: net, span: 2, alpha_us: 1, bandwith_gbs: 1}]\n")
     assert _error(load_topology, path).startswith(
-        f"unknown config key levels[0].bandwith_gbs; valid keys of levels[0]: name, span, alpha_us, bandwidth_gbs")
+        "unknown config key levels[0].bandwith_gbs; valid keys of levels[0]: name, span, alpha_us, bandwidth_gbs")
     path.write_text("devices: 2\nmemory_gb: 1\nlevels: []\n")
     assert _error(load_topology, path) == f"missing config key compute (in {path})"
     assert _error(load_topology, "nvswitch8", 16).startswith(
