@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.utils._param_validation import Interval, Options, StrOptions
+from sklearn.utils._param_validation import Interval, InvalidParameterError, Options, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
@@ -212,7 +212,10 @@ def n_threads(n_jobs: int | None) -> int | None:
             return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if n_jobs >= 1:
             return int(n_jobs)
-    raise ValueError(f"n_jobs must be a positive number of threads, -1 (all cores) or None, got {n_jobs!r}")
+    # scikit-learn's error for a bad parameter (a ValueError and a TypeError): the estimators set their threads
+    # before fit validates its parameters, so this is the check a bad n_jobs meets first
+    raise InvalidParameterError(f"n_jobs must be a positive number of threads, -1 (all cores) or None, got "
+                                f"{n_jobs!r}")
 
 
 @contextlib.contextmanager

@@ -226,10 +226,16 @@ def test_torch_threads_restores_after_an_error():
 @pytest.mark.parametrize("n_jobs", [0, -2, 1.5, "2", True])
 def test_torch_threads_refuses_bad_counts(n_jobs):
     before = torch.get_num_threads()
-    with pytest.raises(ValueError, match="n_jobs must be a positive number of threads, -1 .* or None"):
+    with pytest.raises(InvalidParameterError, match="n_jobs must be a positive number of threads, -1 .* or None"):
         with torch_threads(n_jobs):
             pass
     assert torch.get_num_threads() == before
+
+
+def test_a_bad_n_jobs_is_scikit_learns_invalid_parameter_error_at_fit():
+    """The estimators set their threads before fit validates its parameters: n_jobs=-2 was a plain ValueError."""
+    with pytest.raises(InvalidParameterError, match="got -2$"):
+        TabFMClassifier(n_jobs=-2).fit(np.ones((4, 2)), [0, 1, 0, 1])
 
 
 # -- columns the reader must read right -----------------------------------------------------------------------
