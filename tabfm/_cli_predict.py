@@ -206,8 +206,10 @@ def load_train(args: argparse.Namespace):
                          "classification target is read as classes anyway: --task classification)")
     unknown = [c for c in _categorical_columns(args) if c not in X.columns]
     if unknown:  # else the estimator's fit refused it, as "categorical_features names ...", a name never typed
+        shown = ", ".join(map(repr, X.columns[:10])) + (f", ... ({len(X.columns)} in all)" if len(X.columns) > 10
+                                                        else "")  # one line, also for a table of 3,000 columns
         raise ValueError(f"--categorical names {unknown[0]!r}, which is not a column of {args.train}; its feature "
-                         f"columns: {', '.join(map(repr, X.columns))}")
+                         f"columns: {shown}")
     task, why = _task(args, y)
     if task == "classification":
         y = _labels_as_written(y, target_text, None if labelled.all() else labelled)

@@ -265,6 +265,20 @@ def test_predict_names_its_own_flags_before_fitting(tables, capsys, args, messag
     assert not out.exists()
 
 
+def test_a_mistyped_categorical_column_of_a_wide_table_names_ten_columns(tmp_path, capsys):
+    """The message stays one short line on a wide table: ten column names, then how many there are."""
+    header = ",".join([f"c{i}" for i in range(12)] + ["label"])
+    rows = "\n".join(",".join([str(r + i) for i in range(12)] + [str(r % 2)]) for r in range(6))
+    (tmp_path / "train.csv").write_text(header + "\n" + rows + "\n")
+    out = tmp_path / "pred.csv"
+    assert main(["predict", "--train", str(tmp_path / "train.csv"), "--target", "label", "--test",
+                 str(tmp_path / "train.csv"), "-o", str(out), "--quiet", "--categorical", "c99"]) == 2
+    shown = ", ".join(f"'c{i}'" for i in range(10))
+    assert capsys.readouterr().err == (f"tabfm predict: error: --categorical names 'c99', which is not a column of "
+                                       f"{tmp_path / 'train.csv'}; its feature columns: {shown}, ... (12 in all)\n")
+    assert not out.exists()
+
+
 def test_precision_bf16_is_close_to_fp32_and_bfloat16_weights_are_gone(tables, capsys):
     argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
             "--proba", "--n-estimators", "1"]
