@@ -393,19 +393,43 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _earlier_results(args: argparse.Namespace, names: list[str], models: list[str],
+def _read_scores(flag: str, paths: list[Path], tables: dict[str, RealTable], needed: list[str], n_folds: int,
+                 with_tabfm: bool) -> dict[str, dict[str, Result]]:
+    """read_baselines, refusing in one line, before anything is fitted, a file that is missing or no accuracy.csv,
+    or one without a score the report needs (a CSV of other tables or models: the report would fail on it)."""
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"{flag} {path}: no such file; give an accuracy.csv written by benchmarks/accuracy.py")
+    try:
+        read = read_baselines(paths, list(tables), n_folds, with_tabfm=with_tabfm)
+    except (KeyError, ValueError, UnicodeDecodeError):
+        raise SystemExit(f"{flag} {','.join(map(str, paths))}: not an accuracy.csv of benchmarks/accuracy.py "
+                         "(no dataset, model and metric columns)") from None
+    for name, t in tables.items():
+        for m in [m for m in needed if m in (CLASSIFIERS if t.is_classification else REGRESSORS)]:
+            if m not in read.get(name, {}):
+                raise SystemExit(f"{flag} {','.join(map(str, paths))}: no {m} score of {name} there (a run of other "
+                                 "tables or models); pass one that scored them, or leave them out with --tables / "
+                                 "--models")
+    return read
+
+
+def _earlier_results(args: argparse.Namespace, tables: dict[str, RealTable], models: list[str],
                      suites: list[str]) -> tuple[dict[str, dict[str, Result]], list[str]]:
     """The scores read from earlier runs (--report-only: all models; --reuse-baselines: the baselines) and the
     models left to fit in this run, so that read and fitted scores are reported alike."""
-    per_table: dict[str, dict[str, Result]] = {n: {} for n in names}
+    per_table: dict[str, dict[str, Result]] = {n: {} for n in tables}
     if args.report_only is not None:
-        for name, results in read_baselines([Path(args.report_only)], names, args.folds, with_tabfm=True).items():
+        for name, results in _read_scores("--report-only", [Path(args.report_only)], tables, models, args.folds,
+                                          with_tabfm=True).items():
             per_table[name].update({m: r for m, r in results.items() if m in models})
         return per_table, []
     if args.reuse_baselines is not None:
         paths = ([SUITES[s] / "baselines.csv" for s in suites] if args.reuse_baselines == "stored"
                  else [Path(x) for x in args.reuse_baselines.split(",")])
-        for name, results in read_baselines(paths, names, args.folds).items():
+        baselines = [m for m in models if m != "tabfm"]
+        for name, results in _read_scores("--reuse-baselines", paths, tables, baselines, args.folds,
+                                          with_tabfm=False).items():
             per_table[name].update({m: r for m, r in results.items() if m in models})
         return per_table, [m for m in models if m == "tabfm"]
     return per_table, models
@@ -480,7 +504,7 @@ def main() -> None:
     for t in tables.values():
         if args.folds > len(np.unique(t.folds)) or args.folds < 1:
             p.error(f"--folds {args.folds}: {t.name} has {len(np.unique(t.folds))} folds")
-    per_table, run_models = _earlier_results(args, names, models, suites)
+    per_table, run_models = _earlier_results(args, tables, models, suites)
     cls_models = [m for m in CLASSIFIERS if m in run_models]
     reg_models = [m for m in REGRESSORS if m in run_models]
 

@@ -74,3 +74,24 @@ def test_run_header_shows_each_estimators_own_default():
     params = accuracy._estimator_params({})
     assert params["mix_contexts"] == "True (classifier) / False (regressor)"
     assert params["local_context_rows"] == 256 and params["linear_base"] is True  # shared, and regressor-only
+
+
+@pytest.mark.parametrize("flag,csv,message", [
+    ("--report-only", "missing.csv", "--report-only {csv}: no such file; give an accuracy.csv written by "
+     "benchmarks/accuracy.py"),
+    ("--report-only", "benchmarks/results/accuracy.txt", "--report-only {csv}: not an accuracy.csv of "
+     "benchmarks/accuracy.py (no dataset, model and metric columns)"),
+    ("--reuse-baselines", "benchmarks/results/accuracy_large_suite.csv", "--reuse-baselines {csv}: no logreg score "
+     "of skl_iris there (a run of other tables or models); pass one that scored them, or leave them out with "
+     "--tables / --models"),
+])
+def test_an_earlier_csv_that_cannot_be_reported_is_refused_in_one_line(monkeypatch, tmp_path, flag, csv, message):
+    """A missing file, a file that is no accuracy.csv, or one of another suite had been a traceback (the last after
+    fitting tabfm): now one line before anything is fitted, nothing written."""
+    path = tmp_path / csv if csv == "missing.csv" else ROOT / csv
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris", "--folds", "5", "--models", "logreg",
+                                      flag, str(path), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as e:
+        accuracy.main()
+    assert str(e.value) == message.format(csv=path)
+    assert not (tmp_path / "out").exists()
