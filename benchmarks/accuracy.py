@@ -87,6 +87,7 @@ from tqdm.auto import tqdm
 
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.evaluate import DATASETS_DIR, _read
+from tabfm.out_paths import file_in_the_way
 
 # benchmarks/ is no package: its sibling is found beside this file, whether run as a script or loaded by path
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -478,6 +479,9 @@ def main() -> None:
     args = p.parse_args()
 
     start_all = time.perf_counter()
+    blocker = args.out if args.out.exists() and not args.out.is_dir() else file_in_the_way(args.out)
+    if args.report_only is None and blocker is not None:  # found now, not after the fitting
+        p.error(f"--out {args.out}: {blocker} is a file, not a folder; give a folder for accuracy.txt and accuracy.csv")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:

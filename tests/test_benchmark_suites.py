@@ -95,3 +95,18 @@ def test_an_earlier_csv_that_cannot_be_reported_is_refused_in_one_line(monkeypat
         accuracy.main()
     assert str(e.value) == message.format(csv=path)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/sub"])
+def test_an_out_folder_a_file_blocks_is_refused_before_fitting(monkeypatch, tmp_path, capsys, out):
+    """--out onto a file (or below one) had been a FileExistsError / NotADirectoryError after every fold was fitted."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(accuracy, "run_fold", lambda *a: pytest.fail("fitted before --out was checked"))
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris", "--folds", "1", "--models", "logreg",
+                                      "--out", str(tmp_path / out)])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"accuracy.py: error: --out {tmp_path / out}: {tmp_path / 'afile'} is a file, not a folder; give a folder for "
+        "accuracy.txt and accuracy.csv")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "x"
