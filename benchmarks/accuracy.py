@@ -361,6 +361,27 @@ def _estimator_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+FLAGS = {"n_estimators": "--n-estimators", "max_context_rows": "--max-context-rows", "device": "--device",
+         "checkpoint": "--checkpoint"}
+"""The estimator parameters that have a flag of their own (the others are given with --set)."""
+
+
+def _check_ours(p: argparse.ArgumentParser, ours: dict[str, Any], from_set: set[str]) -> None:
+    """Refuse before any work a tabfm parameter neither estimator takes (_ours would drop it silently, and the run
+    score the defaults under the change's name) or a value they refuse (a traceback from fit), naming its flag."""
+    params = {cls: set(cls().get_params()) for cls in (TabFMClassifier, TabFMRegressor)}
+    known = sorted(params[TabFMClassifier] | params[TabFMRegressor])
+    for key, value in ours.items():
+        flag = f"--set {key}={value}" if key in from_set else f"{FLAGS[key]} {value}"
+        if key not in known:
+            p.error(f"--set {key}: no parameter of TabFMClassifier or TabFMRegressor; choose from {', '.join(known)}")
+        for cls in [c for c, names in params.items() if key in names]:
+            try:
+                cls(**{key: value})._validate_params()
+            except (ValueError, TypeError) as e:
+                p.error(f"{flag}: {str(e).splitlines()[0]}")
+
+
 def _warm_up(ours: dict[str, Any]) -> None:
     """Load the model once before anything is timed (the estimators share the loaded weights)."""
     rng = np.random.default_rng(0)
@@ -496,7 +517,10 @@ def main() -> None:
         p.error(f"no table {missing} in the suites {suites}")
     ours = {k: v for k, v in (("n_estimators", args.n_estimators), ("max_context_rows", args.max_context_rows),
                               ("device", args.device), ("checkpoint", args.checkpoint)) if v is not None}
-    ours.update(_estimator_overrides(args.set))
+    overrides = _estimator_overrides(args.set)
+    ours.update(overrides)
+    if args.report_only is None:
+        _check_ours(p, ours, set(overrides))
     if "tabfm" in models and args.report_only is None:
         _warm_up(ours)
     unbuilt = sorted({where[n] for n in names if where[n] in BUILT_SUITES

@@ -110,3 +110,28 @@ def test_an_out_folder_a_file_blocks_is_refused_before_fitting(monkeypatch, tmp_
         f"accuracy.py: error: --out {tmp_path / out}: {tmp_path / 'afile'} is a file, not a folder; give a folder for "
         "accuracy.txt and accuracy.csv")
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--set", "n_estimatros=4"], "--set n_estimatros: no parameter of TabFMClassifier or TabFMRegressor; choose from "
+     "average, batch_size, "),
+    (["--set", "n_estimators=abc"], "--set n_estimators=abc: The 'n_estimators' parameter of TabFMClassifier must be "
+     "an int in the range [1, inf) or a str among {'auto'}. Got 'abc' instead."),
+    (["--n-estimators", "0"], "--n-estimators 0: The 'n_estimators' parameter of TabFMClassifier must be an int in the "
+     "range [1, inf) or a str among {'auto'}. Got 0 instead."),
+])
+def test_a_tabfm_parameter_the_estimators_refuse_is_named_before_any_work(monkeypatch, tmp_path, capsys, flags,
+                                                                          message):
+    """A mistyped --set name had been dropped silently (the run scored the defaults under the change's name), and a
+    bad value was a traceback from the warm-up fit: now one line naming the flag, nothing fitted or written."""
+    monkeypatch.setattr(accuracy, "run_fold", lambda *a: pytest.fail("fitted a run with a refused parameter"))
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris", "--folds", "1", "--models", "tabfm",
+                                      *flags, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    line = capsys.readouterr().err.splitlines()[-1]
+    if message.endswith(", "):  # the list of parameters goes on
+        assert line.startswith(f"accuracy.py: error: {message}") and line.endswith(", verbose")
+    else:
+        assert line == f"accuracy.py: error: {message}"
+    assert not (tmp_path / "out").exists()
