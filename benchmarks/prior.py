@@ -22,6 +22,7 @@ from tabfm.data.config import DataConfig, TableConfig
 from tabfm.data.loader import PriorSource, batch_at
 from tabfm.data.priors.mix import PRIOR_NAMES, PriorConfig
 from tabfm.data.tables import TARGET, Table
+from tabfm.out_paths import check_png
 
 
 def measure(prior: str, rows: int, cols: int, batch_size: int, min_seconds: float) -> tuple[float, float]:
@@ -74,6 +75,32 @@ def draw_grid(path: Path, n_panels: int = 12, seed: int = 0) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The sizes, each flag checked before any timing (a bad prior, size or --png had been a traceback, naming the
+    prior's config keys or after every measurement), refused in one line naming the flag."""
+    for prior in args.priors.split(","):
+        if prior not in PRIOR_NAMES:
+            p.error(f"--priors {prior}: no such prior; choose from {','.join(PRIOR_NAMES)}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size {args.batch_size}: give 1 or more tables per step")
+    sizes = []
+    for size in args.sizes.split(","):
+        rows, _, cols = size.partition("x")
+        if not (rows.isdigit() and cols.isdigit()):
+            p.error(f"--sizes {size}: give ROWSxCOLS sizes such as 64x8,256x16")
+        try:
+            TableConfig(min_rows=int(rows), max_rows=int(rows), min_features=int(cols), max_features=int(cols))
+        except ValueError as e:
+            p.error(f"--sizes {size}: the prior makes no table of {rows} rows x {cols} columns ({e}); give larger "
+                    "sizes such as 64x8")
+        sizes.append((int(rows), int(cols)))
+    try:
+        check_png(args.png, "--png")
+    except ValueError as e:
+        p.error(str(e))
+    return sizes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="64x8,256x16,1024x32,4096x64", help="ROWSxCOLS table sizes, comma-separated")
@@ -85,7 +112,7 @@ def main() -> None:
     p.add_argument("--png", type=Path, default=Path("benchmarks/results/prior_tables.png"), help="where to draw tables")
     args = p.parse_args()
 
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = _checked(p, args)
     machine = platform.processor() or platform.machine()
     print(f"machine: {machine}, {os.cpu_count()} CPU cores; one process = one worker")
     print(f"steps of {args.batch_size} tables, generation + mess + tensor encoding, >= {args.seconds}s per row\n")

@@ -206,3 +206,32 @@ def test_sample_table_has_the_exact_size_asked_for():
     rng = np.random.default_rng(0)
     t = sample_table(rng, SCMPrior(), TableConfig(), n_rows=37, n_features=5, task="regression")
     assert t.df.shape == (37, 6) and len(t.meta.columns) == 5
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--priors", "mix,foo"], "--priors foo: no such prior; choose from scm,mlp,trees,mix"),
+    (["--sizes", "64x8,64"], "--sizes 64: give ROWSxCOLS sizes such as 64x8,256x16"),
+    (["--sizes", "64x0"], "--sizes 64x0: the prior makes no table of 64 rows x 0 columns (table.min_features=0 must "
+     "be >= 1); give larger sizes such as 64x8"),
+    (["--batch-size", "0"], "--batch-size 0: give 1 or more tables per step"),
+    (["--png", "{tmp}/afile/grid.png"], "--png {tmp}/afile/grid.png: {tmp}/afile is a file, not a folder"),
+    (["--png", "{tmp}/grid.svg"], "--png {tmp}/grid.svg: give a file name ending in .png"),
+])
+def test_prior_benchmark_refuses_a_bad_flag_before_timing(monkeypatch, tmp_path, capsys, flags, message):
+    """benchmarks/prior.py had met these after timing (the --png after every measurement) in a traceback that named
+    the prior's config keys (prior.name, data.batch_size), or wrote an .svg under --png; now one line naming the
+    flag, nothing timed or drawn."""
+    import sys
+
+    from builders import benchmark_module
+
+    bench = benchmark_module("prior")
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("timed before the flags were checked"))
+    monkeypatch.setattr(bench, "draw_grid", lambda *a: pytest.fail("drew before the flags were checked"))
+    argv = ["--png", str(tmp_path / "grid.png"), *(f.format(tmp=tmp_path) for f in flags)]
+    monkeypatch.setattr(sys, "argv", ["prior.py", *argv])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert capsys.readouterr().err.splitlines()[-1] == f"prior.py: error: {message.format(tmp=tmp_path)}"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
