@@ -66,6 +66,7 @@ import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.ensemble import auto_members
 from tabfm.estimator import TabFMClassifier
+from tabfm.out_paths import check_png, file_in_the_way
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script, or loaded by a test from its path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -598,6 +599,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _counts(p: argparse.ArgumentParser, flag: str, text: str, what: str, example: str) -> list[int]:
+    """A flag's comma-separated counts of 1 or more, or one line naming it (int() had been a traceback)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        p.error(f"{flag} takes comma-separated {what} of 1 or more such as {example}, got {text!r}")
+    return values
+
+
+def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace, memory: bool) -> None:
+    """--repeats, --test-rows and where --txt (and --png, when the memory runs draw it) are written, checked before
+    the minutes of timing that had gone before a traceback on them."""
+    for flag, value in (("--repeats", args.repeats), ("--test-rows", args.test_rows)):
+        if value < 1:
+            p.error(f"{flag} {value}: give 1 or more")
+    blocker = args.txt if args.txt.is_dir() else file_in_the_way(args.txt)
+    if blocker is not None:
+        p.error(f"--txt {args.txt}: {blocker} is {'a folder' if blocker == args.txt else 'a file, not a folder'}; "
+                "give a file name for the results text")
+    if memory:
+        try:
+            check_png(args.png, "--png")
+        except ValueError as e:
+            p.error(str(e))
+
+
 def main() -> None:
     """One fresh-process point (--gpu-one, --one-size) as JSON, or the sections asked for, logged to --txt."""
     p = _parser()
@@ -613,13 +642,13 @@ def main() -> None:
         params = {**(LONG_PARAMS if args.long else {}), **({"local_context_rows": None} if args.global_context else {})}
         print(json.dumps(one_size(args.one_size, args.test_rows, **params)))
         return
-    try:
-        long_sizes = [int(s) for s in args.long_contexts.split(",")] if args.long_contexts else []
-    except ValueError:
-        p.error(f"--long-contexts takes comma-separated row counts such as 10000,25000, got {args.long_contexts!r}")
+    long_sizes = (_counts(p, "--long-contexts", args.long_contexts, "row counts", "10000,25000")
+                  if args.long_contexts else [])
     mode = "_long" if long_sizes else "_precision" if args.precision_compare else "_gpu" if args.gpu_table else ""
     args.txt = args.txt or Path(f"benchmarks/results/inference{mode}.txt")
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = _counts(p, "--sizes", args.sizes, "row counts", "1000,5000")
+    estimators = _counts(p, "--estimators", args.estimators, "n_estimators", "1,4")
+    _check_outputs(p, args, memory=not (mode or args.skip_memory))
     if args.with_100k and TARGET_ROWS not in sizes:
         sizes.append(TARGET_ROWS)
     log = Log()
@@ -642,7 +671,7 @@ def main() -> None:
         gpu_table_section(log, args.device or "cuda", args.budget_s, sizes)
         args.skip_speed = args.skip_memory = True
     if not args.skip_speed:
-        speed_section(log, [int(n) for n in args.estimators.split(",")], args.repeats)
+        speed_section(log, estimators, args.repeats)
         log()
     if not args.skip_memory:
         memory_section(log, sizes, args.test_rows, args.png)

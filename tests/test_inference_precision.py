@@ -194,3 +194,28 @@ def test_gpu_table_reports_an_out_of_memory_run_a_crash_and_the_budget_and_goes_
     assert "4.0e-03" in text and "  1.500" in text  # bf16's difference to fp32; fit + predict
     assert "fp32  out of memory" in text and "failed (exit 1): RuntimeError: CUDA error" in text
     assert "stopped after" in text and next(answers, None) is None  # every size was tried
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--sizes", "1000,5k"], "--sizes takes comma-separated row counts of 1 or more such as 1000,5000, got '1000,5k'"),
+    (["--estimators", "0"], "--estimators takes comma-separated n_estimators of 1 or more such as 1,4, got '0'"),
+    (["--repeats", "0"], "--repeats 0: give 1 or more"),
+    (["--txt", "{tmp}/afile/out.txt"], "--txt {tmp}/afile/out.txt: {tmp}/afile is a file, not a folder; give a file "
+     "name for the results text"),
+    (["--png", "{tmp}/afile/memory.png"], "--png {tmp}/afile/memory.png: {tmp}/afile is a file, not a folder"),
+])
+def test_inference_benchmark_refuses_a_bad_flag_before_timing(monkeypatch, tmp_path, capsys, flags, message):
+    """A count that is no number had been int()'s traceback, and --txt / --png below a file failed only after
+    minutes of timing: now one line naming the flag before any, nothing written."""
+    import sys
+
+    bench = benchmark_module("inference")
+    (tmp_path / "afile").write_text("x")
+    for section in ("speed_section", "memory_section"):
+        monkeypatch.setattr(bench, section, lambda *a: pytest.fail("timed before the flags were checked"))
+    argv = ["--txt", str(tmp_path / "out.txt"), "--png", str(tmp_path / "memory.png")]
+    monkeypatch.setattr(sys, "argv", ["inference.py", *argv, *(f.format(tmp=tmp_path) for f in flags)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert capsys.readouterr().err.splitlines()[-1] == f"inference.py: error: {message.format(tmp=tmp_path)}"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
