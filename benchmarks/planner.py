@@ -55,7 +55,32 @@ def _args(argv=None) -> argparse.Namespace:
                    help="use the cached measurement of the real links and core sharing (default: measure now, "
                         "since other load on a shared machine changes them)")
     p.add_argument("--out", default="benchmarks/results/planner.txt", help="also write the report here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags checked before the ranks start: a bad one had been a traceback in 4 spawned workers, or (--out)
+    after the minutes of measuring."""
+    from tabfm.out_paths import file_in_the_way
+
+    chunks = args.chunks.split(",")
+    if not all(k.isdigit() and int(k) >= 1 for k in chunks):
+        p.error(f"--chunks takes comma-separated chunk counts of 1 or more such as 1,2, got {args.chunks!r}")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error(f"--repeats {args.repeats} --warmup {args.warmup}: give 1 or more repeats and 0 or more warm-up steps")
+    try:
+        _spec(args)
+    except ValueError as e:
+        p.error(f"--depth {args.depth} --hidden {args.hidden} --heads {args.heads} --seq {args.seq} --batch "
+                f"{args.batch}: {e}")
+    if args.out:
+        out = Path(args.out)
+        blocker = out if out.is_dir() else file_in_the_way(out)
+        if blocker is not None:
+            p.error(f"--out {args.out}: {blocker} is {'a folder' if blocker == out else 'a file, not a folder'}; "
+                    "give a file name for the report")
 
 
 def hierarchies(args) -> dict[str, list]:

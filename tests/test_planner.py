@@ -337,3 +337,29 @@ def test_pluggable_model_source_with_an_input_function():
     ranked = plan(source, _machine([Level("net", 4, 1e-5, 1e10)], 4), 4, dtype="float32", chunks=(1,),
                   trace_device="cpu")
     assert ranked[0].valid and ranked[0].step_seconds > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--chunks", "1,a"], "--chunks takes comma-separated chunk counts of 1 or more such as 1,2, got '1,a'"),
+    (["--repeats", "0"], "--repeats 0 --warmup 2: give 1 or more repeats and 0 or more warm-up steps"),
+    (["--hidden", "250"], "--depth 2 --hidden 250 --heads 8 --seq 128 --batch 8: model.hidden=250 is not divisible "
+     "by model.heads=8"),
+    (["--out", "{tmp}/afile/planner.txt"], "--out {tmp}/afile/planner.txt: {tmp}/afile is a file, not a folder; give "
+     "a file name for the report"),
+])
+def test_planner_benchmark_refuses_a_bad_flag_before_measuring(monkeypatch, tmp_path, capsys, flags, message):
+    """These had been a traceback in the 4 spawned ranks or (--out) after the minutes of measuring: now one line
+    naming the flag before any rank starts, nothing written."""
+    import sys
+
+    from builders import benchmark_module
+
+    bench = benchmark_module("planner")
+    monkeypatch.setattr(sys, "argv", ["planner.py"])  # argparse's program name
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(bench, "_measure", lambda *a: pytest.fail("measured before the flags were checked"))
+    argv = ["--out", str(tmp_path / "planner.txt"), *(f.format(tmp=tmp_path) for f in flags)]
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert capsys.readouterr().err.splitlines()[-1] == f"planner.py: error: {message.format(tmp=tmp_path)}"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
