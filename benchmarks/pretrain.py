@@ -118,13 +118,18 @@ def measure(args: argparse.Namespace, batches_path: str, d0: int, d1: int, sp: b
     return eval(result.read_text())  # noqa: S307 - our own repr of plain numbers
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The config's data section set to the fixed batch size of the flags."""
+    return [f"data.batch_size={args.batch}", f"data.table.min_rows={args.rows}", f"data.table.max_rows={args.rows}",
+            f"data.table.min_features={args.features}", f"data.table.max_features={args.features}",
+            "data.curriculum.ramp_steps=0"]
+
+
 def draw_batches(args: argparse.Namespace) -> list:
     from tabfm.config import load_config
     from tabfm.data.loader import PriorSource, batch_at
 
-    cfg = load_config(args.config, [f"data.batch_size={args.batch}", f"data.table.min_rows={args.rows}",
-                                    f"data.table.max_rows={args.rows}", f"data.table.min_features={args.features}",
-                                    f"data.table.max_features={args.features}", "data.curriculum.ramp_steps=0"])
+    cfg = load_config(args.config, _overrides(args))
     source = PriorSource(cfg.data)
     batches = [batch_at(source, step) for step in range(args.warmup + args.steps)]
     for b in batches:
@@ -202,8 +207,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags checked before any work: a missing --config or a size the prior cannot make had been a ConfigError
+    traceback, --steps 0 a ZeroDivisionError after every layout had run."""
+    from tabfm.config import load_config
+
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                               ("--threads", args.threads, 0), ("--nproc", min(args.nproc), 1)):
+        if value < least:
+            parser.error(f"{flag} {value}: give {least} or more")
+    try:
+        load_config(args.config, _overrides(args))
+    except ValueError as e:
+        said = str(e).splitlines()[0].split(" (from --set ")[0]  # the flags set those keys, not a --set of the user's
+        parser.error(f"--config {args.config} --batch {args.batch} --rows {args.rows} --features {args.features}: "
+                     f"{said}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
 
     cells = args.batch * args.rows * args.features
     print(f"# benchmarks/pretrain.py: {Path(args.config).name}, batch {args.batch} x {args.rows} rows x "

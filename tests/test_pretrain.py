@@ -466,3 +466,26 @@ def test_torchrun_entry_point_and_restart_after_a_rank_dies(ranks, tmp_path):
     assert [r["loss"] for r in lines] == [r["loss"] for r in reference]
     assert [r["grad_norm"] for r in lines] == [r["grad_norm"] for r in reference]
     assert ckpt.verify_checkpoint(latest_checkpoint(tmp_path / "run"))["layout"]["d1"] == 2
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config", "{tmp}/nope.yaml"], "--config {tmp}/nope.yaml --batch 8 --rows 256 --features 16: config file "
+     "{tmp}/nope.yaml does not exist"),
+    (["--rows", "8"], "--config {small} --batch 8 --rows 8 --features 16: table.min_rows=8 is too few for 10 classes; "
+     "raise min_rows to >= 20 or lower max_classes"),
+    (["--steps", "0"], "--steps 0: give 1 or more"),
+    (["--nproc", "1", "0"], "--nproc 0: give 1 or more"),
+])
+def test_pretrain_benchmark_refuses_a_bad_flag_before_any_work(monkeypatch, tmp_path, capsys, flags, message):
+    """A missing --config or a size the prior cannot make had been a ConfigError traceback (naming a --set never
+    given), and --steps 0 a ZeroDivisionError after every layout ran: now one line naming the flags, first."""
+    from builders import benchmark_module
+
+    bench = benchmark_module("pretrain")
+    small = bench.ROOT / "configs" / "pretrain" / "small.yaml"
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])  # argparse's program name
+    monkeypatch.setattr(bench, "draw_batches", lambda *a: pytest.fail("drew batches before the flags were checked"))
+    with pytest.raises(SystemExit):
+        bench.main([f.format(tmp=tmp_path) for f in flags])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"pretrain.py: error: {message.format(tmp=tmp_path, small=small)}")
