@@ -472,6 +472,13 @@ def resolve(args: argparse.Namespace) -> torch.device:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    counts = [("--batch", [args.batch], 1), ("--rows", [args.rows], 1), ("--features", args.features, 1),
+              ("--steps", [args.steps], 1), ("--warmup", [args.warmup], 0),
+              ("--loader-workers", args.loader_workers, 0), ("--e2e-steps", [args.e2e_steps], 1),
+              ("--e2e-workers", [args.e2e_workers or 0], 0)]
+    for flag, values, least in counts:  # else every row 'failed' (no median of 0 steps) and the run exits 0
+        if min(values) < least:
+            raise SystemExit(f"{flag} {min(values)}: give {least} or more")
     args.e2e_preset = args.e2e_preset or args.presets[-1]
     for name in {*args.presets, args.e2e_preset}:  # a typo fails here, not after minutes of a lease
         try:

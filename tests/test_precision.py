@@ -324,3 +324,19 @@ def test_gpu_benchmark_smoke_prints_a_row_per_precision(capsys, monkeypatch):
             assert _sdpa_flags()["cudnn"]
         with autocast("bf16", torch.device("cuda")):  # and tabfm's own setting is back afterwards
             assert not _sdpa_flags()["cudnn"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--steps", "0"], "--steps 0: give 1 or more"),
+    (["--features", "4", "0"], "--features 0: give 1 or more"),
+    (["--loader-workers", "-1"], "--loader-workers -1: give 0 or more"),
+    (["--e2e-steps", "0"], "--e2e-steps 0: give 1 or more"),
+])
+def test_gpu_benchmark_refuses_a_count_it_cannot_time(monkeypatch, flags, message):
+    """--steps 0 had printed 'failed: StatisticsError: no median for empty data' in every row and exited 0, as if
+    it had measured: now one line naming the flag, before the header or any section."""
+    bench = benchmark_module("gpu_pretrain")
+    monkeypatch.setattr(bench, "header", lambda *a: pytest.fail("ran before the flags were checked"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--cpu-smoke", *flags])
+    assert str(e.value) == message
