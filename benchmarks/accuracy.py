@@ -375,6 +375,9 @@ def _check_ours(p: argparse.ArgumentParser, ours: dict[str, Any], from_set: set[
         flag = f"--set {key}={value}" if key in from_set else f"{FLAGS[key]} {value}"
         if key not in known:
             p.error(f"--set {key}: no parameter of TabFMClassifier or TabFMRegressor; choose from {', '.join(known)}")
+        if key == "checkpoint" and isinstance(value, str) and value and not Path(value).exists():
+            p.error(f"{flag}: no such file or folder; give a merged .safetensors file or a checkpoint folder, or "
+                    "leave it out for the shipped model")
         for cls in [c for c, names in params.items() if key in names]:
             try:
                 cls(**{key: value})._validate_params()
@@ -522,7 +525,10 @@ def main() -> None:
     if args.report_only is None:
         _check_ours(p, ours, set(overrides))
     if "tabfm" in models and args.report_only is None:
-        _warm_up(ours)
+        try:
+            _warm_up(ours)
+        except ValueError as e:  # a value only fit checks (device='gpux', weights that are no checkpoint)
+            p.error(f"tabfm with {', '.join(f'{k}={v}' for k, v in ours.items())}: {str(e).splitlines()[0]}")
     unbuilt = sorted({where[n] for n in names if where[n] in BUILT_SUITES
                       and not (SUITES[where[n]] / f"{n}.parquet").is_file()})
     if unbuilt:

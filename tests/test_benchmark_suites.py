@@ -119,11 +119,16 @@ def test_an_out_folder_a_file_blocks_is_refused_before_fitting(monkeypatch, tmp_
      "an int in the range [1, inf) or a str among {'auto'}. Got 'abc' instead."),
     (["--n-estimators", "0"], "--n-estimators 0: The 'n_estimators' parameter of TabFMClassifier must be an int in the "
      "range [1, inf) or a str among {'auto'}. Got 0 instead."),
+    (["--checkpoint", "/no/such/weights"], "--checkpoint /no/such/weights: no such file or folder; give a merged "
+     ".safetensors file or a checkpoint folder, or leave it out for the shipped model"),
+    (["--set", "device=gpux"], "tabfm with device=gpux: device='gpux' is not a torch device name: use 'cuda' (or "
+     "'cuda:N') for an NVIDIA GPU, or 'auto'"),
 ])
 def test_a_tabfm_parameter_the_estimators_refuse_is_named_before_any_work(monkeypatch, tmp_path, capsys, flags,
                                                                           message):
     """A mistyped --set name had been dropped silently (the run scored the defaults under the change's name), and a
-    bad value was a traceback from the warm-up fit: now one line naming the flag, nothing fitted or written."""
+    bad value or a missing --checkpoint was a traceback from the warm-up fit: now one line naming the flag (or the
+    values, for what only fit checks), nothing fitted or written."""
     monkeypatch.setattr(accuracy, "run_fold", lambda *a: pytest.fail("fitted a run with a refused parameter"))
     monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris", "--folds", "1", "--models", "tabfm",
                                       *flags, "--out", str(tmp_path / "out")])
