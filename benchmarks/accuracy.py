@@ -514,10 +514,12 @@ def main() -> None:
     if not suites or set(suites) - set(SUITES):
         p.error(f"--suites {args.suites!r}: choose from {','.join(SUITES)}")
     where = {n: s for s in suites for n in suite_tables(s)}
-    names = args.tables.split(",") if args.tables else list(where)
+    names = [n.strip() for n in args.tables.split(",") if n.strip()] if args.tables else list(where)
     missing = [n for n in names if n not in where]
     if missing:
-        p.error(f"no table {missing} in the suites {suites}")
+        elsewhere = sorted({s for s in SUITES if s not in suites for n in missing if n in suite_tables(s)})
+        hint = f"; add {','.join(elsewhere)} to --suites" if elsewhere else ""
+        p.error(f"no table {missing} in the suites {suites}{hint}")
     ours = {k: v for k, v in (("n_estimators", args.n_estimators), ("max_context_rows", args.max_context_rows),
                               ("device", args.device), ("checkpoint", args.checkpoint)) if v is not None}
     overrides = _estimator_overrides(args.set)

@@ -140,3 +140,14 @@ def test_a_tabfm_parameter_the_estimators_refuse_is_named_before_any_work(monkey
     else:
         assert line == f"accuracy.py: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_table_of_a_suite_not_named_says_which_suite_to_add(monkeypatch, tmp_path, capsys):
+    """A large table named without --suites large was 'no table' in dev and suite2, as if mistyped."""
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris,aer_cps1988_wage", "--folds", "1",
+                                      "--models", "logreg", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    assert capsys.readouterr().err.splitlines()[-1] == ("accuracy.py: error: no table ['aer_cps1988_wage'] in the "
+                                                        "suites ['dev', 'suite2']; add large to --suites")
+    assert not (tmp_path / "out").exists()
