@@ -78,13 +78,18 @@ def arrow_as_polars(X: Any) -> Any:
     return X
 
 
+def refuse_lazy_frame(data: Any, name: str) -> None:
+    """A polars LazyFrame holds no rows until collected: one TypeError line naming `name` (X or y)."""
+    if isinstance(data, pl.LazyFrame):
+        raise TypeError(f"{name} is a polars LazyFrame: collect() it first")
+
+
 def _columns_of(X: Any) -> tuple[list[str], list[Any]]:
     """(names, column objects)."""
     X = arrow_as_polars(X)
     if isinstance(X, pl.DataFrame):
         return [str(c) for c in X.columns], X.get_columns()
-    if isinstance(X, pl.LazyFrame):
-        raise TypeError("X is a polars LazyFrame: collect() it first")
+    refuse_lazy_frame(X, "X")
     if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
         raise TypeError("Sparse data is not supported: a sparse matrix was passed, but dense data is required; "
                         "use X.toarray() to convert it to a dense numpy array")

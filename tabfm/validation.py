@@ -25,7 +25,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
 from tabfm.inference_precision import PRECISIONS
-from tabfm.raw_columns import is_missing, unmask
+from tabfm.raw_columns import is_missing, refuse_lazy_frame, unmask
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype values the constraints let through: bfloat16 and float16 reach resolve_weight_dtype, whose message
@@ -195,8 +195,7 @@ def check_real_targets(y: Any) -> None:
     """Refuse complex targets in one line (scikit-learn's message prints the whole array), and a polars LazyFrame
     (column_or_1d called it an array of shape ()). Read from y's dtype, or a list's: array-likes that are neither
     are left to column_or_1d."""
-    if type(y).__name__ == "LazyFrame" and type(y).__module__.startswith("polars"):
-        raise TypeError("y is a polars LazyFrame: collect() it first")
+    refuse_lazy_frame(y, "y")
     dtype = np.asarray(y).dtype if isinstance(y, list | tuple) else getattr(y, "dtype", None)
     if getattr(dtype, "kind", None) == "c":
         raise ValueError("y holds complex numbers; targets must be real: pass the real part (np.real) or the "
