@@ -312,16 +312,15 @@ def save_estimator(est: Any, path: str | Path) -> None:
 
 def _check_saved_weights(est: Any) -> None:
     """Refuse a checkpoint parameter that no longer names the weights of the fit (set_params(checkpoint=...) after
-    fit, or the file replaced since): the folder would be saved, then refused by load."""
-    from tabfm.estimator_model import DEFAULT_CHECKPOINT, weights_digest
-
-    fitted = getattr(est, "weights_digest_", None)
-    checkpoint = est.checkpoint
-    if fitted is None or (Path(checkpoint or DEFAULT_CHECKPOINT).exists() and weights_digest(checkpoint) == fitted):
-        return
-    raise ValueError(f"checkpoint={None if checkpoint is None else str(checkpoint)!r} does not name the weights this "
-                     f"{type(est).__name__} was fitted with (set after fit, or the file replaced since), so load would "
-                     "refuse the folder: set checkpoint back, or fit again, before saving")
+    fit, or the file replaced since): the folder would be saved, then refused by load's own check
+    (_TabFMBase._check_weights, which this runs; OSError: the path is gone), so it is refused here in save's words."""
+    try:
+        est._check_weights()
+    except (ValueError, OSError):
+        checkpoint = None if est.checkpoint is None else str(est.checkpoint)
+        raise ValueError(f"checkpoint={checkpoint!r} does not name the weights this {type(est).__name__} was fitted "
+                         "with (set after fit, or the file replaced since), so load would refuse the folder: set "
+                         "checkpoint back, or fit again, before saving") from None
 
 
 def _digest(t: torch.Tensor) -> str:
