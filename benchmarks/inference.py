@@ -66,7 +66,7 @@ import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.ensemble import auto_members
 from tabfm.estimator import TabFMClassifier
-from tabfm.out_paths import check_png, file_in_the_way
+from tabfm.out_paths import check_png, check_text_output
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script, or loaded by a test from its path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -616,15 +616,12 @@ def _check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace, memory:
     for flag, value in (("--repeats", args.repeats), ("--test-rows", args.test_rows)):
         if value < 1:
             p.error(f"{flag} {value}: give 1 or more")
-    blocker = args.txt if args.txt.is_dir() else file_in_the_way(args.txt)
-    if blocker is not None:
-        p.error(f"--txt {args.txt}: {blocker} is {'a folder' if blocker == args.txt else 'a file, not a folder'}; "
-                "give a file name for the results text")
-    if memory:
-        try:
+    try:
+        check_text_output(args.txt, "--txt", "the results text")
+        if memory:
             check_png(args.png, "--png")
-        except ValueError as e:
-            p.error(str(e))
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ def _args(argv=None) -> argparse.Namespace:
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The flags checked before the ranks start: a bad one had been a traceback in 4 spawned workers, or (--out)
     after the minutes of measuring."""
-    from tabfm.out_paths import file_in_the_way
+    from tabfm.out_paths import check_text_output
 
     chunks = args.chunks.split(",")
     if not all(k.isdigit() and int(k) >= 1 for k in chunks):
@@ -76,11 +76,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--depth {args.depth} --hidden {args.hidden} --heads {args.heads} --seq {args.seq} --batch "
                 f"{args.batch}: {e}")
     if args.out:
-        out = Path(args.out)
-        blocker = out if out.is_dir() else file_in_the_way(out)
-        if blocker is not None:
-            p.error(f"--out {args.out}: {blocker} is {'a folder' if blocker == out else 'a file, not a folder'}; "
-                    "give a file name for the report")
+        try:
+            check_text_output(args.out, "--out", "the report")
+        except ValueError as e:
+            p.error(str(e))
 
 
 def hierarchies(args) -> dict[str, list]:

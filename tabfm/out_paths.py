@@ -35,6 +35,17 @@ def check_png(path: str | Path, flag: str) -> Path:
     return p
 
 
+def check_text_output(path: str | Path, flag: str, what: str) -> Path:
+    """`path` as a file can be written there: not a folder, with no file where a folder above it must be. `flag`
+    and `what` name the option and the file in the message, e.g. "--txt" and "the results text"."""
+    p = Path(path)
+    blocker = p if p.is_dir() else file_in_the_way(p)
+    if blocker is not None:
+        raise ValueError(f"{flag} {path}: {blocker} is {'a folder' if blocker == p else 'a file, not a folder'}; "
+                         f"give a file name for {what}")
+    return p
+
+
 def private_name(path: Path, kind: str) -> Path:
     """A name beside `path` that no file of the user's has (hidden, with a random part): where a command writes
     before renaming into place, or puts an output it replaces until then."""
