@@ -3,7 +3,7 @@ side in one run: the resident memory of a fitted estimator predicting many rows 
 streams a large test table, and the time it takes.
 
     python benchmarks/heap_release.py [--train 1000] [--chunks 10] [--chunk-rows 10000] [--n-estimators 4]
-                                      [--n-jobs 2] [--txt benchmarks/results/heap_release.txt]
+                                      [--n-jobs 2] [--txt FILE]
 
 Each side runs in a fresh process (peak resident memory is per process): fit the classifier on TRAIN rows x 20
 numeric features (benchmarks/inference.make_data), then predict_proba CHUNKS chunks of CHUNK_ROWS rows, recording

@@ -3,7 +3,7 @@ k-means and nearest-row searches, the linear models) on one torch and one BLAS t
 the default threads (as before host_work), side by side in one run, on a quiet machine and beside busy ones.
 
     python benchmarks/host_threads.py [--busy 0] [--sizes 1000x1000,5000x1000] [--repeats 3] [--n-jobs N]
-                                      [--settings classifier,regressor] [--txt benchmarks/results/host_threads.txt]
+                                      [--settings classifier,regressor] [--txt FILE]
 
 --busy N starts N processes that spin on a core for the length of the run: a machine that something else is
 using, as a laptop or a cross-validation running fits side by side is. Each row: one estimator setting at TRAIN x

@@ -3,7 +3,7 @@ side in one run: fit and predict times of the default estimators on this machine
 predictions moved (float rounding of batched matmuls only).
 
     python benchmarks/table_threads.py [--sizes 1000x1000,5000x1000] [--repeats 3] [--n-jobs N]
-                                       [--txt benchmarks/results/table_threads.txt]
+                                       [--txt FILE]
 
 Each row: one estimator setting at TRAIN x TEST rows x 20 numeric features (make_classification /
 make_regression, seed 0, as benchmarks/inference.py), best total of --repeats after one warm-up, sequential
