@@ -3,7 +3,7 @@
     python benchmarks/accuracy.py [--suites dev,suite2] [--tables skl_iris,keel_sonar] [--folds 5]
                                   [--n-estimators N] [--max-context-rows N] [--set name=value ...]
                                   [--models tabfm,logreg,ridge,rf,hgb,knn] [--reuse-baselines CSV]
-                                  [--learning-curve] [--device cpu] [--out benchmarks/results]
+                                  [--learning-curve] [--device cpu] [--out runs/benchmarks]
     python benchmarks/accuracy.py --report-only benchmarks/results/accuracy.csv --folds 5
 
 Two suites of real tables: `dev` (the 16 of benchmarks/datasets) and `suite2` (the 40 of
@@ -87,7 +87,7 @@ from tqdm.auto import tqdm
 
 from tabfm.estimator import TabFMClassifier, TabFMRegressor
 from tabfm.evaluate import DATASETS_DIR, _read
-from tabfm.out_paths import file_in_the_way
+from tabfm.out_paths import BENCHMARK_RUNS, file_in_the_way
 
 # benchmarks/ is no package: its sibling is found beside this file, whether run as a script or loaded by path
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -414,7 +414,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", default=None, metavar="CSV",
                    help="fit nothing: print the report of an earlier run's accuracy.csv (tabfm's rows too), "
                         "writing no file")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for accuracy.txt / .csv")
+    p.add_argument("--out", type=Path, default=BENCHMARK_RUNS,
+                   help=f"folder for accuracy.txt / .csv (default {BENCHMARK_RUNS}, which git ignores)")
     return p
 
 

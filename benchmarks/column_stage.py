@@ -1,7 +1,7 @@
 """Full vs inducing column attention (issue 12.3): the fit time of a freshly initialised model, side by side.
 
     python benchmarks/column_stage.py [--rows 1000 5000 20000] [--features 20] [--presets small small_inducing]
-                                      [--repeats 1] [--column-max-rows 5000] [--txt benchmarks/results/column_stage.txt]
+                                      [--repeats 1] [--column-max-rows 5000] [--txt runs/benchmarks/column_stage.txt]
 
 One classification table of R train rows x F numeric features (random values, 2 classes, seed 0), float32, on the
 CPU. For each preset and R: `fit`, tabfm.inference.encode_context of the train rows (what an estimator's fit runs
@@ -25,6 +25,7 @@ import torch
 from tabfm.data.encode import Batch
 from tabfm.inference import encode_context
 from tabfm.model import KeyRows, TabFM, build_model
+from tabfm.out_paths import benchmark_output
 
 
 def table(rows: int, features: int, seed: int = 0) -> Batch:
@@ -62,15 +63,20 @@ def measure(model: TabFM, batch: Batch, repeats: int, column: bool = True) -> tu
     return fit, column
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (apart from main, so that its defaults can be read without timing anything)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1000, 5000, 20000])
     p.add_argument("--features", type=int, default=20)
     p.add_argument("--presets", nargs="+", default=["small", "small_inducing"])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--column-max-rows", type=int, default=5000, help="time the column stages alone up to this")
-    p.add_argument("--txt", type=Path, default=Path("benchmarks/results/column_stage.txt"))
-    args = p.parse_args()
+    p.add_argument("--txt", type=Path, default=benchmark_output("column_stage.txt"))
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
 
     models = {name: build_model(name, seed=0).eval() for name in args.presets}
     measure(models[args.presets[0]], table(min(args.rows), args.features), 1)  # warm-up

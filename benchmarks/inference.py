@@ -2,9 +2,9 @@
 precision: fp32 against bf16 autocast, on CPU and on a GPU.
 
     python benchmarks/inference.py [--estimators 1,4] [--repeats 3] [--sizes 1000,5000,10000,25000]
-                                   [--with-100k] [--txt benchmarks/results/inference.txt]
-                                   [--png benchmarks/results/inference_memory.png]
-    python benchmarks/inference.py --long-contexts 10000,25000   [--txt benchmarks/results/inference_long.txt]
+                                   [--with-100k] [--txt runs/benchmarks/inference.txt]
+                                   [--png runs/benchmarks/inference_memory.png]
+    python benchmarks/inference.py --long-contexts 10000,25000   [--txt runs/benchmarks/inference_long.txt]
     python benchmarks/inference.py --precision-compare [--device cpu] [--repeats 1]
     python benchmarks/inference.py --gpu-table [--device cuda] [--budget-s 90] [--txt ...]   (benchmarks/gpu_recipe.sh)
 
@@ -66,7 +66,7 @@ import tabfm.chunked
 from tabfm.data.encode import IGNORE_LABEL
 from tabfm.ensemble import auto_members
 from tabfm.estimator import TabFMClassifier
-from tabfm.out_paths import check_png, check_text_output
+from tabfm.out_paths import benchmark_output, check_png, check_text_output
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script, or loaded by a test from its path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -577,9 +577,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-speed", action="store_true", help="only the memory runs")
     p.add_argument("--skip-memory", action="store_true", help="only the speed runs")
     p.add_argument("--txt", type=Path, default=None,
-                   help="results text (default benchmarks/results/inference.txt; inference_long.txt with "
-                        "--long-contexts)")
-    p.add_argument("--png", type=Path, default=Path("benchmarks/results/inference_memory.png"), help="memory plot")
+                   help=f"results text (default {benchmark_output('inference.txt')}; inference_long.txt with "
+                        "--long-contexts, inference_precision.txt with --precision-compare, inference_gpu.txt with "
+                        "--gpu-table)")
+    p.add_argument("--png", type=Path, default=benchmark_output("inference_memory.png"), help="memory plot")
     p.add_argument("--long-contexts", default=None, metavar="ROWS,ROWS",
                    help="only the long-context runs at these context sizes, e.g. 10000,25000 (one pass and chunked)")
     p.add_argument("--precision-compare", action="store_true",
@@ -642,7 +643,7 @@ def main() -> None:
     long_sizes = (_counts(p, "--long-contexts", args.long_contexts, "row counts", "10000,25000")
                   if args.long_contexts else [])
     mode = "_long" if long_sizes else "_precision" if args.precision_compare else "_gpu" if args.gpu_table else ""
-    args.txt = args.txt or Path(f"benchmarks/results/inference{mode}.txt")
+    args.txt = args.txt or benchmark_output(f"inference{mode}.txt")
     sizes = _counts(p, "--sizes", args.sizes, "row counts", "1000,5000")
     estimators = _counts(p, "--estimators", args.estimators, "n_estimators", "1,4")
     _check_outputs(p, args, memory=not (mode or args.skip_memory))

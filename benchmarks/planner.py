@@ -3,6 +3,7 @@ hierarchical links.
 
     python benchmarks/planner.py [--depth 2 --hidden 256 --heads 8 --seq 128 --batch 8] [--chunks 1]
                                  [--fast-alpha 3e-4 --fast-bw 3e8 --ratio 10] [--repeats 7] [--cached]
+                                 [--out runs/benchmarks/planner.txt]
 
 This machine has one flat link, so three hierarchies of 4 ranks are emulated (DESIGN 3.5, emulate.Link: each
 collective on a mesh axis completes no earlier than alpha + traffic / bandwidth of that axis's bottleneck link
@@ -39,6 +40,8 @@ from pathlib import Path
 
 
 def _args(argv=None) -> argparse.Namespace:
+    from tabfm.out_paths import benchmark_output
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
@@ -54,7 +57,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--cached", action="store_true",
                    help="use the cached measurement of the real links and core sharing (default: measure now, "
                         "since other load on a shared machine changes them)")
-    p.add_argument("--out", default="benchmarks/results/planner.txt", help="also write the report here")
+    p.add_argument("--out", default=str(benchmark_output("planner.txt")), help="also write the report here")
     args = p.parse_args(argv)
     _check(p, args)
     return args

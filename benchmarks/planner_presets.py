@@ -2,7 +2,8 @@
 predicts them (no GPU needed: the presets are vendor figures; see configs/topology/*.yaml).
 
     python benchmarks/planner_presets.py [--config configs/plan/transformer_large.yaml]
-                                         [--png benchmarks/results/planner_presets.png]
+                                         [--png runs/benchmarks/planner_presets.png]
+                                         [--out runs/benchmarks/planner_presets.txt]
 
 For each preset the planner searches every layout (d0 x d1, sequence parallelism, overlap chunks 1/2/4/8) of the
 model in the config; the table shows the winner and the best 1D layout (d0 = N), with their predicted step time,
@@ -28,10 +29,12 @@ def _gb(b: float) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line (its own function to keep main short)."""
+    from tabfm.out_paths import benchmark_output
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/plan/transformer_large.yaml")
-    p.add_argument("--png", default="benchmarks/results/planner_presets.png")
-    p.add_argument("--out", default="benchmarks/results/planner_presets.txt")
+    p.add_argument("--png", default=str(benchmark_output("planner_presets.png")))
+    p.add_argument("--out", default=str(benchmark_output("planner_presets.txt")))
     return p
 
 

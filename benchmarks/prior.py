@@ -1,7 +1,7 @@
 """How fast one loader worker makes pretraining tables, and what they look like.
 
     python benchmarks/prior.py [--sizes 64x8,256x16,1024x32,4096x64] [--consumption-rate TABLES_PER_S]
-                               [--png benchmarks/results/prior_tables.png]
+                               [--png runs/benchmarks/prior_tables.png]
 
 Each measurement is the whole per-step path a worker runs (draw tables from the prior, make them messy polars
 DataFrames, encode to padded tensors) in this one process, so the rates are per worker. The PNG shows a grid of
@@ -22,7 +22,7 @@ from tabfm.data.config import DataConfig, TableConfig
 from tabfm.data.loader import PriorSource, batch_at
 from tabfm.data.priors.mix import PRIOR_NAMES, PriorConfig
 from tabfm.data.tables import TARGET, Table
-from tabfm.out_paths import check_png
+from tabfm.out_paths import benchmark_output, check_png
 
 
 def measure(prior: str, rows: int, cols: int, batch_size: int, min_seconds: float) -> tuple[float, float]:
@@ -101,7 +101,8 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple
     return sizes
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (apart from main, so that its defaults can be read without timing anything)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="64x8,256x16,1024x32,4096x64", help="ROWSxCOLS table sizes, comma-separated")
     p.add_argument("--priors", default=",".join(PRIOR_NAMES), help="priors to time, comma-separated")
@@ -109,7 +110,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=1.5, help="minimum time per measurement")
     p.add_argument("--consumption-rate", type=float, default=None,
                    help="tables/s the training step consumes; prints how many workers keep up")  # fmt: skip
-    p.add_argument("--png", type=Path, default=Path("benchmarks/results/prior_tables.png"), help="where to draw tables")
+    p.add_argument("--png", type=Path, default=benchmark_output("prior_tables.png"), help="where to draw tables")
+    return p
+
+
+def main() -> None:
+    p = _parser()
     args = p.parse_args()
 
     sizes = _checked(p, args)

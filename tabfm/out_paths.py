@@ -1,11 +1,25 @@
 """Where a command may write, checked before it does any work: a chart's .png name, a folder that a file above it
-would block, and the name of a run's checkpoints folder. Standard library only, so a launching process checks
-these without importing torch, and every command says the same thing about the same mistake."""
+would block, the name of a run's checkpoints folder, and where the benchmark scripts write when given no path.
+Standard library only, so a launching process checks these without importing torch, and every command says the
+same thing about the same mistake."""
 
 from __future__ import annotations
 
 import secrets
 from pathlib import Path
+
+BENCHMARK_RUNS = Path("runs") / "benchmarks"
+"""Where the benchmark scripts (benchmarks/*.py) write their text, csv and png when given no output path: a folder
+under runs/, which git ignores, made when the first file is written. benchmarks/results/ holds the curated results
+that README quotes; a script writes there only when given the path (e.g. --txt benchmarks/results/inference.txt),
+so a short trial run never replaces a full run's log."""
+
+
+def benchmark_output(name: str) -> Path:
+    """The default path of a benchmark's output file `name`: BENCHMARK_RUNS / name (relative to the working folder,
+    as the paths given on the command line are)."""
+    return BENCHMARK_RUNS / name
+
 
 CHECKPOINTS = "checkpoints"
 """The folder of a run's out_dir that holds its step_<digits> checkpoints and the `latest` pointer."""
