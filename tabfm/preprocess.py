@@ -266,7 +266,7 @@ class TablePreprocessor:
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import QuantileTransformer, RobustScaler, StandardScaler
 
-        from tabfm.yeo_johnson import YeoJohnson
+        from tabfm.yeo_johnson import YeoJohnson, row_subset
 
         if kind not in NUMERIC_TRANSFORMS:
             raise ValueError(f"unknown numeric transform {kind!r}; choose from {NUMERIC_TRANSFORMS}")
@@ -277,14 +277,9 @@ class TablePreprocessor:
         if kind == "robust":
             return RobustScaler(unit_variance=False).fit(numeric)
         if kind == "power":  # standardised first: Yeo-Johnson's lambda search overflows on large raw values
-            rows = numeric
-            if len(rows) > POWER_FIT_ROWS:  # the lambda search costs ~1 ms per column per 1,000 rows
-                some = rows[np.sort(np.random.default_rng(0).choice(len(rows), POWER_FIT_ROWS, replace=False))]
-                if (~np.isnan(some)).any(axis=0).all():  # else a sparse column has no value there: all rows
-                    rows = some
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # the scaler too is fitted on the subset
                 warnings.simplefilter("ignore", RuntimeWarning)
-                return make_pipeline(StandardScaler(), YeoJohnson()).fit(rows)
+                return make_pipeline(StandardScaler(), YeoJohnson()).fit(row_subset(numeric, POWER_FIT_ROWS))
         return QuantileTransformer(output_distribution="normal", n_quantiles=max(2, min(1000, len(numeric))),
                                    subsample=None, random_state=0).fit(numeric)
 

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 from sklearn.preprocessing import PowerTransformer
 
-from tabfm.yeo_johnson import YeoJohnson, fit_lambdas, yeo_johnson
+from tabfm.yeo_johnson import YeoJohnson, fit_lambdas, row_subset, yeo_johnson
 
 N = 400
 
@@ -82,3 +82,28 @@ def test_refuses_a_different_number_of_columns():
     est = YeoJohnson().fit(np.random.default_rng(3).normal(size=(20, 2)))
     with pytest.raises(ValueError, match="fitted on 2 columns"):
         est.transform(np.zeros((5, 3)))
+
+
+def test_fit_rows_searches_the_exponents_on_a_fixed_subset_and_standardises_on_every_row():
+    """With fit_rows the exponents are the subset's (the same subset at every fit) and close to every row's, and the
+    transform of every fit row still has mean 0 and deviation 1."""
+    rng = np.random.default_rng(4)
+    X = np.c_[rng.lognormal(size=3000), rng.exponential(size=3000) - 1, rng.normal(size=3000)]
+    est = YeoJohnson(fit_rows=1000).fit(X)
+    subset = row_subset(X, 1000)
+    assert subset.shape == (1000, 3) and np.isin(subset[:, 0], X[:, 0]).all()
+    np.testing.assert_array_equal(est.lambdas_, fit_lambdas(subset))
+    np.testing.assert_array_equal(est.lambdas_, YeoJohnson(fit_rows=1000).fit(X).lambdas_)
+    np.testing.assert_allclose(est.lambdas_, YeoJohnson().fit(X).lambdas_, atol=0.1)
+    Y = est.transform(X)
+    np.testing.assert_allclose(Y.mean(0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(Y.std(0), 1.0, rtol=1e-12)
+    assert row_subset(X, 3000) is X
+
+
+def test_row_subset_keeps_every_row_where_a_sparse_column_would_lose_its_values():
+    X = np.c_[np.arange(2000.0), np.full(2000, np.nan), np.full(2000, np.nan)]
+    X[7, 2] = 5.0  # one value: almost surely not among 100 drawn rows
+    assert not (~np.isnan(X[np.sort(np.random.default_rng(0).choice(2000, 100, replace=False)), 2])).any()
+    assert row_subset(X, 100) is X
+    assert len(row_subset(X[:, :2], 100)) == 100  # a column with no value anywhere keeps none in any subset
