@@ -24,7 +24,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 
 from tabfm import calibration
 from tabfm.ensemble import class_codes, code_members
-from tabfm.estimator import _BASE_CONSTRAINTS, _fit_or_keep, _TabFMBase, _threaded
+from tabfm.estimator import _BASE_CONSTRAINTS, _TabFMBase
+from tabfm.estimator_calls import fit_or_keep, threaded
 from tabfm.inference import Context
 from tabfm.linear_base import LOGISTIC_CS, LinearChoice, LinearDesign, LogisticModel
 from tabfm.model import TabFM
@@ -181,8 +182,8 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         self.mix_contexts = mix_contexts
         self.tree_blend = tree_blend
 
-    @_fit_or_keep
-    @_threaded
+    @fit_or_keep
+    @threaded
     def fit(self, X: Any, y: Any) -> TabFMClassifier:
         """Preprocess and encode the train rows; y: class labels (any hashable values of one kind)."""
         self._validate_params()
@@ -343,7 +344,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
     def _decode_member(self, model: TabFM, context: Context, logits: torch.Tensor) -> torch.Tensor:
         return logits[..., :self.n_groups_].log_softmax(-1)
 
-    @_threaded
+    @threaded
     def predict_proba(self, X: Any) -> np.ndarray:
         """[n, n_classes] class probabilities, columns in the order of classes_."""
         cells = self._cells_of(X)

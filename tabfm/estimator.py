@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import numbers
 from pathlib import Path
 from typing import Any
@@ -48,33 +47,7 @@ from tabfm.raw_columns import arrow_as_polars, check_table_shape
 from tabfm.table_threads import host_work, map_tables, table_workers
 from tabfm.tree_base import fit_trees
 from tabfm.tree_fits import TreeFits
-from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
-                              torch_threads)
-
-
-def _threaded(method):
-    """Run an estimator method with torch's (and BLAS's) threads set by the estimator's n_jobs, restored after."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with torch_threads(self.n_jobs):
-            return method(self, *args, **kwargs)
-    return run
-
-
-def _fit_or_keep(fit):
-    """A fit that raises leaves the estimator as it was before the call: fitted with its old model and classes, or
-    unfitted (NotFittedError), never with the new classes or columns read before the error and the old contexts.
-    The fitted attributes are rebound by a fit, never changed in place, so the old ones are whole."""
-    @functools.wraps(fit)
-    def run(self, *args, **kwargs):
-        before = dict(self.__dict__)
-        try:
-            return fit(self, *args, **kwargs)
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(before)
-            raise
-    return run
+from tabfm.validation import ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed
 
 
 _VIEW_LIST = [tuple, list, str]

@@ -21,7 +21,8 @@ from sklearn.utils.validation import column_or_1d
 
 from tabfm import calibration
 from tabfm.ensemble import NARROW_MAX_FEATURES
-from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _fit_or_keep, _TabFMBase, _threaded
+from tabfm.estimator import _BASE_CONSTRAINTS, _VIEW_LIST, _TabFMBase
+from tabfm.estimator_calls import fit_or_keep, threaded
 from tabfm.inference import Context
 from tabfm.linear_base import LinearBase
 from tabfm.model import TabFM
@@ -113,8 +114,8 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         self.mix_contexts = mix_contexts
         self.tree_blend = tree_blend
 
-    @_fit_or_keep
-    @_threaded
+    @fit_or_keep
+    @threaded
     def fit(self, X: Any, y: Any) -> TabFMRegressor:
         """Preprocess and encode the train rows; y: real targets (any magnitude: normalised in float64)."""
         self._validate_params()
@@ -312,7 +313,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         weights = np.concatenate([1.0 - share, share]) / M
         return np.concatenate([first, second]), np.concatenate([first_units, second_units]), weights
 
-    @_threaded
+    @threaded
     def predict(self, X: Any) -> np.ndarray:
         """[n] predicted targets: the mean of the ensemble's predictive distribution."""
         cells = self._cells_of(X)
@@ -327,7 +328,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         trees = self.target_scale_.inverse(self.tree_model_.predict(cells))
         return (1 - self.tree_weight_) * prediction + self.tree_weight_ * trees
 
-    @_threaded
+    @threaded
     def predict_quantiles(self, X: Any, quantiles: Any = (0.1, 0.5, 0.9)) -> np.ndarray:
         """[n, len(quantiles)] quantiles of the ensemble's predictive distribution (an equal mixture of the
         members', scaled about its mean by the spread factor and moved by the correction weight as predict's
