@@ -39,7 +39,11 @@ class TorchTPAttention(nn.Module):
                 lin.bias.copy_(attn.qkv.bias[k * h:(k + 1) * h])
         self.proj = copy.deepcopy(attn.proj)
 
-    def forward(self, x, num_kv=None, attn_mask=None):
+    def forward(self, x, num_kv=None, attn_mask=None, cache=None):
+        # tabfm's Block passes its attention these three; the benchmark's stack has no context split, mask or cache
+        if num_kv is not None or attn_mask is not None or cache is not None:
+            raise NotImplementedError("TorchTPAttention is plain self-attention: no num_kv, attn_mask or cache")
+
         def heads(t):
             return t.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2)
 
