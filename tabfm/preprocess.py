@@ -51,6 +51,10 @@ SCALINGS = NUMERIC_TRANSFORMS
 SOFT_CLIP = 4.0
 UNSEEN_SHOWN = 5
 """Columns named in the warning about unseen categories at predict (the rest are counted)."""
+NEW_EXPECTED = 0.25
+"""A categorical column whose train cells were at least this share categories seen once (Column.new_share) is not
+named when a predict batch's cells are mostly categories not seen at fit: new values are what such a column brings
+(Good-Turing), not a sign of values given in another form than at fit."""
 FAR_PEAKS = 10.0
 """A predict batch's numeric column whose present cells are mostly larger in magnitude than this many times the
 largest of its train rows gets a warning naming it: such values are squeezed next to the train rows' extremes, so
@@ -96,6 +100,9 @@ class Column:
     values: str | None = None
     """A numeric column's values (RawColumn.values: numbers, dates, durations...), by its type or, in an object
     column, its cells; None in estimators saved before it was kept."""
+    new_share: float = 0.0
+    """A categorical column's share of train cells whose category occurs once among them: Good-Turing's estimate of
+    how often a new row brings a category not seen at fit (0 in estimators saved before it was kept)."""
 
 
 @dataclass
@@ -143,12 +150,30 @@ def _fit_categories(raw: np.ndarray, order: list[str] | None) -> tuple[str, ...]
     return tuple(seen.to_list())
 
 
-def _mostly_numbers(raw: np.ndarray) -> bool:
-    """Whether most non-missing cells of a text column are numbers: the rule `tabfm predict` warns by
-    (tabfm.table_io.mostly_numeric_text), so the API and the command agree on which columns they name."""
+def _numbers_with_others(raw: np.ndarray) -> list[str] | None:
+    """Up to 3 of the other values of a text column whose non-missing cells are mostly numbers, or None where they
+    are not: the rule `tabfm predict` warns by (tabfm.table_io.mostly_numeric_text), so the API and the command
+    agree on which columns they name."""
     from tabfm.table_io import mostly_numeric_text
 
-    return bool(mostly_numeric_text(pl.DataFrame({"column": string_series(raw)})))
+    found = mostly_numeric_text(pl.DataFrame({"column": string_series(raw)}))
+    return found[0][3] if found else None
+
+
+def _new_share(raw: np.ndarray) -> float:
+    """The share of the non-missing cells of a categorical column (category strings, None where missing) whose
+    value occurs once among them (Column.new_share)."""
+    present = [v for v in raw if v is not None]
+    if not present:
+        return 0.0
+    counts = np.unique(np.asarray(present, dtype=object).astype(str), return_counts=True)[1]
+    return float((counts == 1).sum() / len(present))
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """repr(value), cut to `limit` characters: a free-text cell in a warning is an example, not the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class NumericTextWarning(UserWarning):
@@ -156,22 +181,28 @@ class NumericTextWarning(UserWarning):
     say it their own way, such as `tabfm predict`, can silence this one alone)."""
 
 
-def _numeric_text_warning(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names)
+def _numeric_text_warning(columns: list[tuple[str, list[str]]]) -> str:
+    """The warning for text columns that are mostly numbers: (name, up to 3 of its other values) each."""
+    shown = ", ".join(f"{name!r} (other values: {', '.join(_short(v, 20) for v in others)})" if others
+                      else repr(name) for name, others in columns)
     return (f"column(s) {shown} hold text that is mostly numbers and are read as categories: to read them as numbers "
             "convert them (pandas: pd.to_numeric(X[c], errors='coerce'); polars: pl.col(c).cast(pl.Float64, "
-            "strict=False)), or name them in categorical_features to keep them as categories")
+            "strict=False)), which makes any other value a missing cell (map such values to numbers first where "
+            "they mean one, such as '>3'), or name them in categorical_features to keep them as categories")
 
 
 def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray, present: np.ndarray) -> str | None:
     """A note naming a categorical column whose predict cells (`present`: those not missing) are mostly
-    categories not seen at fit (e.g. fitted on booleans, given 0/1), or None. It names no counts: predicting batch
-    after batch (tabfm predict) repeats the same text, which Python's default warning filter then shows once."""
+    categories not seen at fit (e.g. fitted on booleans, given 0/1), or None; None also where fit's own cells
+    expected that (Column.new_share of at least NEW_EXPECTED: a county or a product name, whose new rows bring new
+    values, mostly missing to the model and target-encoded where the column has many levels). It names no counts:
+    predicting batch after batch (tabfm predict) repeats the same text, which Python's default warning filter then
+    shows once."""
     unseen = codes == UNSEEN
-    if 2 * int(unseen.sum()) <= int(present.sum()):
+    if 2 * int(unseen.sum()) <= int(present.sum()) or getattr(c, "new_share", 0.0) >= NEW_EXPECTED:
         return None
     example = raw[np.flatnonzero(unseen)[0]]
-    return f"column {c.name!r} (e.g. {example!r}; at fit e.g. {list(c.categories[:3])})"
+    return f"column {c.name!r} (e.g. {_short(example)}; at fit e.g. [{', '.join(_short(v) for v in c.categories[:3])}])"
 
 
 class TablePreprocessor:
@@ -233,13 +264,13 @@ class TablePreprocessor:
                 cats = _fit_categories(raw, dtype_categories(col))
                 if not cats or (len(cats) == 1 and all(v is not None for v in raw)):
                     continue  # constant, or no value at all
-                numbers_as_text = i not in forced and not has_categorical_dtype(col) and _mostly_numbers(raw)
-                if not numbers_as_text and len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
+                others = None if i in forced or has_categorical_dtype(col) else _numbers_with_others(raw)
+                if others is None and len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
                     ids.append(name)  # (numbers read as text get the advice to convert them instead)
                     continue
-                columns.append(Column(name, i, "categorical", cats))
-                if numbers_as_text:
-                    numeric_text.append(name)
+                columns.append(Column(name, i, "categorical", cats, new_share=_new_share(raw)))
+                if others is not None:
+                    numeric_text.append((name, others))
         if numeric_text:
             warnings.warn(_numeric_text_warning(numeric_text), NumericTextWarning, stacklevel=2)
         if ids:

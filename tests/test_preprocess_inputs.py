@@ -122,6 +122,15 @@ def test_number_text_warns_at_fit_naming_the_column():
         TablePreprocessor().fit(df)
 
 
+def test_number_text_warning_names_the_other_values_that_converting_would_lose():
+    """The advice to convert had not said that errors='coerce' makes the column's other values missing cells (a
+    trace 'T' of rain, an ordinal's top level '>3'), nor which values those are."""
+    df = pd.DataFrame({"precip": ["0.1", "T", "0", "2.5", "T", "1"], "n": ["1", "2", ">3", "1", "2", "3"]})
+    (message,) = _warnings_of(lambda: TablePreprocessor().fit(df))
+    assert "'precip' (other values: 'T')" in message and "'n' (other values: '>3')" in message
+    assert "makes any other value a missing cell" in message and "\n" not in message
+
+
 @pytest.mark.parametrize("col", [
     pd.Series(["a", "b", "1"]), pd.Series(["1", "2", "x", "y"]),  # half or fewer are numbers
     pd.Categorical(["1", "2", "1"]), pl.Series(["1", "2"], dtype=pl.Categorical),  # declared categories
@@ -144,6 +153,22 @@ def test_mostly_unseen_categories_at_predict_warn_naming_the_column():
     # a minority of new categories, or missing cells, are no surprise
     assert _warnings_of(lambda: pre.transform(pd.DataFrame({"flag": [True, False, None, None],
                                                             "s": ["x", "new", "y", None]}))) == []
+
+
+def test_new_values_of_a_column_whose_train_values_were_mostly_single_do_not_warn():
+    """A county or product-name column (most train values seen once: Good-Turing expects new ones) warned at every
+    predict that its values were "never seen at fit", advising to pass them as at fit; the batch's new values
+    still read as unseen. A long unseen value is cut in the warning (a 3,820-character one had been quoted whole)."""
+    rng = np.random.default_rng(1)
+    counties = [f"county {i}" for i in rng.permutation(300)[:120]] + ["county 1"] * 10 + ["county 2"] * 10
+    pre = _fit_quietly(pd.DataFrame({"county": counties, "x": rng.normal(size=140)}))
+    assert pre.columns_[0].new_share >= 0.25
+    batch = pd.DataFrame({"county": ["county 1000", "county 1001", "county 1"], "x": [0.0, 1.0, 2.0]})
+    assert _warnings_of(lambda: pre.transform(batch)) == []
+    assert pre.transform(batch).codes[:2, 0].tolist() == [UNSEEN, UNSEEN]
+    repeated = _fit_quietly(pd.DataFrame({"kind": ["a", "b", "c"] * 20, "x": rng.normal(size=60)}))
+    (message,) = _warnings_of(lambda: repeated.transform(pd.DataFrame({"kind": ["word " * 500] * 2, "x": [0.0, 1.0]})))
+    assert "'kind'" in message and "..." in message and len(message) < 400
 
 
 def test_a_categorical_column_with_a_different_value_in_every_row_is_left_out_with_a_warning():
@@ -358,7 +383,7 @@ def test_categorical_features_may_be_a_boolean_mask():
 
 
 def test_the_unseen_categories_warning_names_five_columns_and_counts_the_rest():
-    X = pd.DataFrame({f"id{i}": [f"u{i}_{r}" for r in range(6)] for i in range(8)})
+    X = pd.DataFrame({f"id{i}": [f"u{i}_{r % 3}" for r in range(6)] for i in range(8)})  # each value twice at fit
     pre = _fit_quietly(X)
     (message,) = _warnings_of(lambda: pre.transform(X.map(lambda v: v + "_new")))
     assert message.count("column 'id") == 5 and "; and 3 more columns." in message
