@@ -65,10 +65,11 @@ view."""
 LINEAR_VIEWS = ("plain", "power", "hinges")
 """How a linear model may see the numeric columns (LinearDesign.viewed): as they are, Yeo-Johnson transformed,
 with hinge columns."""
-POWER_FIT_ROWS = 5_000
+LINEAR_POWER_ROWS = 5_000
 """Train rows (a fixed random subset, tabfm.yeo_johnson.row_subset) the "power" view's exponents are searched on:
 the search's cost grows with the rows (17 s at 50,000 x 100), their precision hardly; tables of up to 5,000 rows
-(every table of the 56 and the holdout suite) use every row."""
+(every table of the 56 and the holdout suite) use every row. (The preprocessing's own "power" transform searches
+on 500: preprocess.POWER_FIT_ROWS.)"""
 
 
 @dataclass
@@ -158,7 +159,7 @@ class LinearDesign:
         if not len(self.numeric):
             return self
         standard = np.ascontiguousarray(self._numeric(cells)[0])  # row-major, as the fit's sums always saw it
-        return dataclasses.replace(self, numeric_map=YeoJohnson(POWER_FIT_ROWS).fit(standard))
+        return dataclasses.replace(self, numeric_map=YeoJohnson(LINEAR_POWER_ROWS).fit(standard))
 
     def with_hinges(self, cells) -> LinearDesign:
         """This design with hinge columns at the eighths of each numeric column's train values (`cells`: the

@@ -202,7 +202,8 @@ def _unseen_note(c: Column, raw: np.ndarray, codes: np.ndarray, present: np.ndar
     if 2 * int(unseen.sum()) <= int(present.sum()) or getattr(c, "new_share", 0.0) >= NEW_EXPECTED:
         return None
     example = raw[np.flatnonzero(unseen)[0]]
-    return f"column {c.name!r} (e.g. {_short(example)}; at fit e.g. [{', '.join(_short(v) for v in c.categories[:3])}])"
+    at_fit = ", ".join(_short(v) for v in c.categories[:3])
+    return f"column {c.name!r} (e.g. {_short(example)}; at fit e.g. [{at_fit}])"
 
 
 class TablePreprocessor:
