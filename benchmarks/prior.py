@@ -134,8 +134,8 @@ def main() -> None:
     print()
     if args.consumption_rate is None:
         print("no --consumption-rate given, so no producer/consumer ratio is printed; rerun with --consumption-rate")
-        print("<tables/s of a training step> (benchmarks/pretrain.py and gpu_pretrain.py measure it) to get the")
-        print("workers needed per size.")
+        print("<tables/s a training step consumes: tables per step / step time, which benchmarks/pretrain.py and")
+        print("gpu_pretrain.py time> to get the workers needed per size.")
     else:
         print(f"consumption rate {args.consumption_rate:g} tables/s (mix prior):")
         for (rows, cols), tps in mix_rates.items():
