@@ -112,7 +112,7 @@ def fit_lambdas(x: np.ndarray) -> np.ndarray:
     count = observed.sum(0)
     logs = _logs(x)
     # the Jacobian term of the log-likelihood: (l - 1) * sum of sign(x) log1p(|x|) over the observed cells
-    jacobian = np.where(observed, np.where(logs.pos, logs.log_abs, -logs.log_abs), 0.0).sum(0)
+    jacobian = np.where(observed, logs.sign * logs.log_abs, 0.0).sum(0)
 
     def neg_llf(lmbda: np.ndarray) -> np.ndarray:
         y = _apply(logs, lmbda)
