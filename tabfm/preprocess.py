@@ -266,10 +266,11 @@ class TablePreprocessor:
                 if not cats or (len(cats) == 1 and all(v is not None for v in raw)):
                     continue  # constant, or no value at all
                 others = None if i in forced or has_categorical_dtype(col) else _numbers_with_others(raw)
-                if others is None and len(cats) >= ID_ROWS and len(cats) == sum(v is not None for v in raw):
+                new_share = _new_share(raw)
+                if others is None and len(cats) >= ID_ROWS and new_share == 1.0:  # every present value once
                     ids.append(name)  # (numbers read as text get the advice to convert them instead)
                     continue
-                columns.append(Column(name, i, "categorical", cats, new_share=_new_share(raw)))
+                columns.append(Column(name, i, "categorical", cats, new_share=new_share))
                 if others is not None:
                     numeric_text.append((name, others))
         if numeric_text:
