@@ -26,6 +26,7 @@ from tabfm.model import ModelConfig, TabFM
 from tabfm.parallel.mesh import TPMesh
 from tabfm.parallel.sharding import ShardSpec, unshard_tensor
 from tabfm.parallel_model import model_mesh
+from tabfm.skip_init import SkipInit
 
 MAX_MANIFEST_BYTES = 64 << 20
 """A real manifest is a few hundred kB; a larger file is refused before it is parsed."""
@@ -218,7 +219,8 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
 
 
 def meta_model(cfg: ModelConfig, n_tensors: int, where: str) -> TabFM:
-    """The model a config describes, on the meta device: its names and shapes, without allocating a byte.
+    """The model a config describes, on the meta device: its names and shapes, without allocating a byte (nor
+    initialising: `SkipInit`).
     A config declaring more blocks than there are tensors is refused first (each block holds tensors), so a
     hostile block count cannot make building even the meta model slow."""
     blocks = sum(v for k, v in cfg.to_dict().items() if k.endswith("_num_blocks"))
@@ -226,7 +228,7 @@ def meta_model(cfg: ModelConfig, n_tensors: int, where: str) -> TabFM:
         raise ValueError(f"{where}: the model config declares {blocks} blocks but the weights hold only {n_tensors} "
                          "tensors; the config does not describe these weights")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), SkipInit():
             return TabFM(cfg)
     except (RuntimeError, ValueError, OverflowError) as e:
         raise ValueError(f"{where}: its model config describes no buildable model ({e})") from None

@@ -46,7 +46,7 @@ class InducingColumnAttention(nn.Module):
 
     def __init__(self, embed_dim: int, heads: int, mlp_ratio: int, num_inducing: int):
         super().__init__()
-        self.inducing = nn.Parameter(torch.randn(num_inducing, embed_dim) * 0.02)
+        self.inducing = nn.Parameter(nn.init.normal_(torch.empty(num_inducing, embed_dim), std=0.02))
         self.summarise = Block(embed_dim, heads, mlp_ratio)
         self.read = Block(embed_dim, heads, mlp_ratio)
 

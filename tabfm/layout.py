@@ -29,28 +29,14 @@ from tabfm.parallel import parallelize
 from tabfm.parallel.mesh import ParallelDims, TPMesh
 from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel_model import parallelize_model, tp_plan
-
-
-class _NoInit(torch.overrides.TorchFunctionMode):
-    """Skips initialisation (torch.nn.init.*, normal_, uniform_, randn): the parameters stay torch.empty, whose
-    pages are never touched. On the meta device the same model would run Python reference kernels that import
-    torch._dynamo: seconds (13 s on a loaded 2-core machine) in a launcher that only checks a layout."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init" or func in (torch.Tensor.normal_,
-                                                                            torch.Tensor.uniform_):
-            return args[0] if args else kwargs["tensor"]
-        if func is torch.randn:
-            return torch.empty(*args, **{k: v for k, v in kwargs.items() if k != "generator"})
-        return func(*args, **kwargs)
+from tabfm.skip_init import SkipInit
 
 
 @functools.lru_cache(maxsize=2)
 def shape_model(model_cfg: ModelConfig) -> TabFM:
     """The model for its names and shapes only: uninitialised, on the CPU, costing neither memory nor time. Cached
     per config (the planner asks about every layout of every process count); read it, never train it."""
-    with torch.device("cpu"), _NoInit():
+    with torch.device("cpu"), SkipInit():
         return build_model(model_cfg)
 
 

@@ -300,7 +300,7 @@ class RowCompression(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cls = nn.Parameter(torch.randn(cfg.row_num_cls, cfg.embed_dim) * 0.02)
+        self.cls = nn.Parameter(nn.init.normal_(torch.empty(cfg.row_num_cls, cfg.embed_dim), std=0.02))
         self.block = Block(cfg.embed_dim, cfg.axial_heads, cfg.axial_mlp_ratio)
 
     def forward(self, x: torch.Tensor, col_pad: torch.Tensor) -> torch.Tensor:
