@@ -446,7 +446,7 @@ def _predict(args: argparse.Namespace) -> int:
         table_write.check_output(args.output, (args.train, args.test), args.overwrite)
         if args.nproc == 1 and args.data_parallel == 1:
             return run_prediction(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, MemoryError) as e:  # MemoryError: tabfm.cache_memory's refusal of a fit
         return _fail(str(e))
     # --nproc stays with the launcher (each rank takes its share from torchrun's environment); --data-parallel
     # goes to the ranks too: it tells them to split the rows rather than the model.

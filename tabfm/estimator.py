@@ -32,6 +32,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from tabfm import calibration, forward_sizes, heap_release
+from tabfm.cache_memory import check_contexts
 from tabfm.category_encoding import CategoryEncoding
 from tabfm.data.encode import IGNORE_LABEL, Batch
 from tabfm.ensemble import (WIDE_MAX_FEATURES, Member, auto_max_features, auto_members, draw_members, member_cells,
@@ -239,9 +240,12 @@ class _TabFMBase(BaseEstimator):
         rows the first held_members members' local contexts leave out (only with local contexts)."""
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
+            def check(counts: list[int]) -> None:  # before the search for each context's rows (minutes at 1M)
+                self._check_cache_memory(cells, np.repeat(np.arange(len(counts)), counts), self.local_context_rows)
+
             self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
                                             self.local_context_rows, rng, relevance, self.device_, held=held,
-                                            held_members=held_members)
+                                            held_members=held_members, check_counts=check)
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
         if held is not None and held_members:
@@ -254,6 +258,7 @@ class _TabFMBase(BaseEstimator):
                                            for _ in range(self.n_members_)])
         else:
             self.context_rows_ = np.tile(np.arange(n), (self.n_members_, 1))
+        self._check_cache_memory(cells, self.context_members_, self.context_rows_.shape[1])
 
     def _model(self) -> TabFM:
         """The fitted `model_`; loaded here (with its mesh under tensor_parallel) when absent: at fit, and once
@@ -345,14 +350,26 @@ class _TabFMBase(BaseEstimator):
             with self._autocast():
                 return encode_context(model, batch)
 
-        cells, max_columns = self.train_cells_, self.preprocessor_.max_columns
-        widths = np.array([member_width(m, cells.is_cat, cells.n_cats, max_columns) for m in self.members_])
+        widths = self._member_widths(self.train_cells_)
         self.contexts_, rows = [], self.context_rows_.shape[1]
         for units, width in forward_sizes.context_groups(widths[self.context_members_], rows):
             forwards = np.array_split(units, sizes.tables(len(units), rows, width, encoding=True))
             self.contexts_ += zip(forwards, map_tables(encode, forwards, sizes.workers), strict=True)
             self._release_heap()
         self._contexts_encoded()
+
+    def _member_widths(self, cells: Cells) -> np.ndarray:
+        """[M] the columns each member shows the model of `cells` (its view: one-hot columns counted)."""
+        return np.array([member_width(m, cells.is_cat, cells.n_cats, self.preprocessor_.max_columns)
+                         for m in self.members_])
+
+    def _check_cache_memory(self, cells: Cells, context_members: np.ndarray, rows: int) -> None:
+        """Refuse (MemoryError) contexts of `rows` rows of `cells` (context_members [U]: whose each is) whose cached
+        keys and values would not fit in the memory available, before any is encoded (tabfm.cache_memory); not
+        under torch.distributed (cache_memory.check_contexts says why)."""
+        element = 2 if self.precision_ == "bf16" else torch.finfo(self.dtype_).bits // 8  # autocast caches: bf16
+        check_contexts(self._model().config, rows, context_members, self._member_widths(cells), element,
+                       len(cells.values), self.device_)
 
     def _release_heap(self) -> None:
         """On a CPU, give the heap's freed memory back between forwards (tabfm.heap_release: without it resident

@@ -21,8 +21,8 @@ import numpy as np
 
 from tabfm.model import ModelConfig
 
-__all__ = ["CONTEXT_CELL_BUDGET", "HEAP_BLOCK_BYTES", "ForwardSizes", "cache_bytes", "context_groups",
-           "forward_bytes", "forward_count"]
+__all__ = ["CONTEXT_CELL_BUDGET", "HEAP_BLOCK_BYTES", "ForwardSizes", "cache_bytes", "context_cache_bytes",
+           "context_groups", "forward_bytes", "forward_count"]
 
 CONTEXT_CELL_BUDGET = 1 << 20
 """Most train cells (rows x columns x contexts) kept as one Context at fit (a group, encoded in forwards sized
@@ -58,6 +58,16 @@ def cache_bytes(config: ModelConfig, train_rows: int, columns: int, element_size
     context's tables for one forward (tabfm.model.Context.select) allocates per table."""
     column_keys = config.num_inducing if config.column_attention == "inducing" else train_rows
     return element_size * max(columns * column_keys * config.embed_dim, train_rows * config.icl_dim)
+
+
+def context_cache_bytes(config: ModelConfig, train_rows: int, columns: int, element_size: int) -> int:
+    """Bytes of every cached key and value one table of a Context holds once encoded (Context.nbytes): per axial
+    block the column attention's keys and values (of the train rows, or of the inducing summaries), per in-context
+    block those of the train rows. tests/test_cache_memory.py checks it against encoded contexts."""
+    column_keys = config.num_inducing if config.column_attention == "inducing" else train_rows
+    axial = config.axial_num_blocks * 2 * columns * column_keys * config.embed_dim
+    icl = config.icl_num_blocks * 2 * train_rows * config.icl_dim
+    return element_size * (axial + icl)
 
 
 def forward_count(tables: int, table_bytes: int, workers: int, byte_limit: int | None) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,14 +158,16 @@ class LocalContexts:
     def fit(cls, cells: Cells, targets: np.ndarray, n_members: int, rows: int,
             rng: np.random.Generator, relevance: np.ndarray | None = None,
             device: torch.device | str = "cpu", held: np.ndarray | None = None,
-            held_members: int = 0) -> LocalContexts:
+            held_members: int = 0, check_counts: Callable[[list[int]], None] | None = None) -> LocalContexts:
         """Contexts of `rows` train rows for each of n_members members, from the train rows `cells` (more than
         `rows` of them) and their targets [n, T]; relevance: column_relevance(cells, targets) when the caller has
         it already (computed here otherwise). The first `held_members` members draw their anchors from, and fill
         their contexts with, only the rows not in `held` (more than `rows` of them); every row still has a home
         context in each member, which is what routing reads. The distances and the anchors' k-means run on
         `device` (the estimator's): a 50,000-row fit on a GPU took no less time in bf16 than in fp32, so it
-        waited on its CPU."""
+        waited on its CPU. check_counts: called with each member's number of contexts once every member's anchors
+        are drawn, before the nearest-row searches that fill the contexts (the cost of a fit at a million rows):
+        where it raises, nothing else runs (the estimators' memory check, tabfm.cache_memory)."""
         raw = _raw_space(cells)
         relevance = column_relevance(cells, targets) if relevance is None else relevance
         relevance = relevance / relevance.max() if relevance.max() > 0 else np.ones_like(relevance)
@@ -189,12 +192,14 @@ class LocalContexts:
             if n - int(blocked.sum()) <= rows:
                 raise ValueError(f"{n - int(blocked.sum())} rows are left once the held rows are out: local "
                                  f"contexts of {rows} rows need more")
+        leaves_out = [m < held_members and bool(blocked.any()) for m in range(n_members)]
+        anchors = [_anchors(points[~blocked] if out else points, rows, rng) for out in leaves_out]
+        if check_counts is not None:
+            check_counts([len(a) for a in anchors])
         all_rows, all_members, homes = [], [], []
         for m in range(n_members):
-            leaves_out = m < held_members and bool(blocked.any())
-            anchors = _anchors(points[~blocked] if leaves_out else points, rows, rng)
-            member_rows, home = _contexts(points, anchors, rows, offset=sum(len(r) for r in all_rows),
-                                          blocked=blocked if leaves_out else None)
+            member_rows, home = _contexts(points, anchors[m], rows, offset=sum(len(r) for r in all_rows),
+                                          blocked=blocked if leaves_out[m] else None)
             all_rows.append(member_rows)
             all_members.append(np.full(len(member_rows), m, np.int64))
             homes.append(home)

@@ -4,6 +4,8 @@ predictions of forwards bounded by the cell budget alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -83,6 +85,21 @@ def test_forward_bytes_bounds_every_tensor_of_a_forward(name, columns, task):
     assert enc.largest == forward_bytes(cfg, tables, rows, columns, 8, encoding=True)
     assert pred.largest <= forward_bytes(cfg, tables, test_rows, columns, 8, encoding=False)
     assert pred.largest >= forward_bytes(cfg, tables, test_rows, columns, 8, encoding=False) / 2
+
+
+@pytest.mark.parametrize("columns", [1, 3, 20])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_context_cache_bytes_is_what_an_encoded_context_holds(name, columns):
+    """context_cache_bytes per table is exactly the bytes of the keys and values an encoded context caches
+    (tabfm.cache_memory refuses a fit by it), for full and inducing column attention, float64 and float32."""
+    cfg = CONFIGS[name]
+    for dtype, size in ((torch.float64, 8), (torch.float32, 4)):
+        model = TabFM(cfg).to(dtype).eval()
+        batch = _batch(3, 40, columns, "classification", train=True)
+        batch = dataclasses.replace(batch, values=batch.values.to(dtype))
+        with torch.no_grad():
+            context = encode_context(model, batch)
+        assert context.nbytes() == 3 * forward_sizes.context_cache_bytes(cfg, 40, columns, size)
 
 
 @pytest.mark.parametrize("tables", [1, 2, 7, 40, 333])
