@@ -10,6 +10,8 @@ and a fit that cannot hold them is refused there, with what would fit.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -18,6 +20,10 @@ from tabfm.model import ModelConfig
 
 GIB = 1 << 30
 MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+UNLIMITED = 1 << 60
+"""A cgroup v1 limit at or above this is no limit (the kernel writes 9223372036854771712 for none)."""
 
 
 def _size(n: int) -> str:
@@ -26,21 +32,64 @@ def _size(n: int) -> str:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory a fit may still take on `device`: Linux's MemAvailable on a CPU (free memory plus what the kernel can
-    reclaim without swapping), the free device memory plus what PyTorch's caching allocator holds unused on CUDA;
-    None where it is not known (another OS, another accelerator): nothing is checked there."""
+    """Memory a fit may still take on `device`: on a CPU, Linux's MemAvailable (free memory plus what the kernel can
+    reclaim without swapping) or the room under the process's cgroup limit, whichever is smaller; on CUDA the free
+    device memory plus what PyTorch's caching allocator holds unused; None where it is not known (another OS,
+    another accelerator): nothing is checked there."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     if device.type != "cpu":
         return None
+    known = [room for room in (_meminfo_available(), _cgroup_room()) if room is not None]
+    return min(known) if known else None
+
+
+def _read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def _meminfo_available() -> int | None:
+    """Linux's MemAvailable: the machine's (a container sees its host's)."""
     try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        for line in _read(Path(MEMINFO)).splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """Room under this process's cgroup memory limit (a container's, a Kubernetes pod's, a systemd unit's): the
+    limit less what the cgroup uses, its inactive file cache not counted (the kernel reclaims it first, as `docker
+    stats` reckons); None without a limit or where cgroups cannot be read. cgroup v1's memory controller or v2's
+    unified hierarchy, at the path /proc/self/cgroup names, else at the mount's root (a container's own view)."""
+    try:
+        lines = _read(Path(PROC_CGROUP)).splitlines()
+    except OSError:
+        return None
+    v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    v2 = ("memory.max", "memory.current", "inactive_file")
+    places = []
+    for line in lines:
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):
+            root = Path(CGROUP_ROOT) / "memory"
+            places += [(root / path.lstrip("/"), *v1), (root, *v1)]
+        elif number == "0":
+            root = Path(CGROUP_ROOT)
+            places += [(root / path.lstrip("/"), *v2), (root, *v2)]
+    for folder, limit_file, usage_file, inactive_key in places:
+        try:
+            limit = _read(folder / limit_file)
+            if limit == "max" or int(limit) >= UNLIMITED:
+                return None
+            stat = dict(line.split() for line in _read(folder / "memory.stat").splitlines() if line.count(" ") == 1)
+            used = int(_read(folder / usage_file)) - int(stat.get(inactive_key, 0))
+            return max(0, int(limit) - used)
+        except (OSError, ValueError):
+            continue
     return None
 
 

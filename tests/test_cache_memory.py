@@ -29,6 +29,43 @@ def test_available_bytes_reads_this_machine():
     assert available_bytes(torch.device("meta")) is None
 
 
+def _cgroups(tmp_path, monkeypatch, proc: str, files: dict[str, str]) -> None:
+    """A fake /proc/self/cgroup and cgroup mount under tmp_path, read by tabfm.cache_memory."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cgroup").write_text(proc)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    monkeypatch.setattr(cache_memory, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(cache_memory, "CGROUP_ROOT", str(tmp_path / "fs"))
+
+
+def test_a_cgroup_limit_bounds_the_memory_available(tmp_path, monkeypatch):
+    """In a container the host's MemAvailable overstates what the process may take: the room under its cgroup's
+    limit (less its usage, inactive file cache not counted) is used where smaller, for cgroup v2 and v1."""
+    host = cache_memory._meminfo_available()
+    _cgroups(tmp_path, monkeypatch, "0::/pod/app\n", {
+        "pod/app/memory.max": f"{4 * GIB}\n", "pod/app/memory.current": f"{GIB}\n",
+        "pod/app/memory.stat": f"anon {GIB // 2}\ninactive_file {GIB // 4}\n"})
+    assert available_bytes(torch.device("cpu")) == min(host, 4 * GIB - (GIB - GIB // 4))
+    _cgroups(tmp_path / "v1", monkeypatch, "4:memory:/docker/abc\n0::/\n", {
+        "memory/memory.limit_in_bytes": f"{2 * GIB}", "memory/memory.usage_in_bytes": f"{GIB}",
+        "memory/memory.stat": "total_inactive_file 0\n"})  # a container's own view: its cgroup at the root
+    assert available_bytes(torch.device("cpu")) == min(host, GIB)
+
+
+@pytest.mark.parametrize("proc, files", [
+    ("0::/\n", {"memory.max": "max\n", "memory.current": "5\n", "memory.stat": ""}),
+    ("4:memory:/a\n", {"memory/a/memory.limit_in_bytes": "9223372036854771712", "memory/a/memory.usage_in_bytes": "5",
+                       "memory/a/memory.stat": ""}),
+    ("0::/\n", {}),  # no cgroup files
+])
+def test_no_cgroup_limit_leaves_memavailable(tmp_path, monkeypatch, proc, files):
+    _cgroups(tmp_path, monkeypatch, proc, files)
+    assert cache_memory._cgroup_room() is None
+    assert available_bytes(torch.device("cpu")) == pytest.approx(cache_memory._meminfo_available(), rel=0.05)
+
+
 def test_check_cache_fits_says_what_fits():
     """Within the memory nothing is raised; past it, the members that would fit, or fewer rows where none does;
     unknown memory checks nothing."""
@@ -67,8 +104,8 @@ def test_fit_refused_before_encoding_and_estimator_kept(Estimator, monkeypatch):
     monkeypatch.setattr("tabfm.estimator.encode_context", not_reached)
     monkeypatch.setattr("tabfm.local_context._contexts", not_reached)
     with pytest.raises(MemoryError, match=r"these 600 train rows would hold [\d.]+ MiB .* \(2 members\), more than "
-                                          r"the [\d.]+ MiB of memory available on cpu: fit on a sample of at most about 599 rows, "
-                                          r"pass n_estimators=1 or fewer"):
+                                          r"the [\d.]+ MiB of memory available on cpu: fit on a sample of at most "
+                                          r"about 599 rows, pass n_estimators=1 or fewer"):
         est.fit(X, y)
     np.testing.assert_array_equal(est.predict(X[300:]), before)
     monkeypatch.undo()
