@@ -63,7 +63,7 @@ def cache_bytes(config: ModelConfig, train_rows: int, columns: int, element_size
 def context_cache_bytes(config: ModelConfig, train_rows: int, columns: int, element_size: int) -> int:
     """Bytes of every cached key and value one table of a Context holds once encoded (Context.nbytes): per axial
     block the column attention's keys and values (of the train rows, or of the inducing summaries), per in-context
-    block those of the train rows. tests/test_cache_memory.py checks it against encoded contexts."""
+    block those of the train rows. tests/test_forward_sizes.py checks it against encoded contexts."""
     column_keys = config.num_inducing if config.column_attention == "inducing" else train_rows
     axial = config.axial_num_blocks * 2 * columns * column_keys * config.embed_dim
     icl = config.icl_num_blocks * 2 * train_rows * config.icl_dim
