@@ -389,13 +389,14 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   checkpoint=args.checkpoint, batch_size=args.batch_size, n_jobs=args.n_jobs,
                   device=args.device, dtype=args.dtype, precision=args.precision, tensor_parallel=tp,
                   sequence_parallel=not args.no_sequence_parallel,
-                  categorical_features=_categorical_columns(args) or "auto")
+                  categorical_features=_categorical_columns(args) or "auto",
+                  verbose=not args.quiet and _is_rank0())  # a bar over the fit's contexts
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
     # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text
     y_values = y.to_numpy() if task == "regression" or y.dtype.is_numeric() else y.cast(pl.String).to_numpy()
     with _warnings_as_lines(args):  # e.g. an id column left out: a warning line, not a source path
         warnings.simplefilter("ignore", NumericTextWarning)  # read_tables said it already, with the CLI's remedy
-        return est.fit(X, y_values)
+        return est.fit(X, y_values).set_params(verbose=False)  # predict's bar is the CLI's own, over rows
 
 
 def prediction_frame(args: argparse.Namespace, est, outputs, target_dtype=None):

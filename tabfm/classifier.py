@@ -108,7 +108,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
         Seeds the members' views, local contexts and calibration rows: an int gives the same fit every time;
         a RandomState or Generator gives a seed drawn from it at each fit (advancing it); None fresh entropy.
     verbose : bool, default=False
-        A progress bar over test batches.
+        Progress bars: over the contexts encoded at fit, and over the test batches at predict.
     n_jobs : int or None, default=None
         CPU threads during fit and predict (torch's and BLAS's, restored after); -1: every core; None: torch's
         setting. The contexts' forwards run as that many slices of tables, one thread each (tabfm.table_threads).

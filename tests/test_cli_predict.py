@@ -41,7 +41,9 @@ def test_predict_classes_to_csv(tables, capsys):
     pred = pl.read_csv(out)
     assert pred.columns == ["label"] and pred.height == 30
     assert set(pred["label"].to_list()) <= {"yes", "no"}
-    assert "wrote 30 predictions (classification)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "wrote 30 predictions (classification)" in err
+    assert "fit: encode contexts: 100%" in err  # the fit's progress, shown without --quiet
     argv = ["predict", "--train", str(tables / "train.csv"), "--target", "amount", "--test",
             str(tables / "test.parquet"), "-o", str(out), "--n-estimators", "1"]
     assert main(argv) == 2  # an earlier run's predictions are not replaced silently

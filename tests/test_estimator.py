@@ -644,3 +644,14 @@ def test_calibration_fits_a_temperature_on_held_out_train_rows():
     np.testing.assert_array_equal(one.predict(df[150:]), one_raw.predict(df[150:]))
     tiny = TabFMClassifier(n_estimators=1).fit(df[:12], y[:12])
     assert tiny.temperature_ == 1.0  # too few rows to hold any out
+
+
+def test_verbose_shows_the_fits_progress_over_its_contexts(capsys):
+    """verbose=True: a bar over the contexts a fit encodes (most of a long fit), on stderr; quiet by default."""
+    X = np.random.default_rng(0).normal(size=(600, 4))
+    y = (X[:, 0] > 0).astype(int)
+    TabFMClassifier(n_estimators=2, n_jobs=1).fit(X, y)
+    assert "encode contexts" not in capsys.readouterr().err
+    est = TabFMClassifier(n_estimators=2, n_jobs=1, verbose=True).fit(X, y)
+    err = capsys.readouterr().err
+    assert "fit: encode contexts: 100%" in err and f"{len(est.context_rows_)}/{len(est.context_rows_)}" in err
