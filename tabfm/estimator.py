@@ -354,12 +354,12 @@ class _TabFMBase(BaseEstimator):
         widths = self._member_widths(self.train_cells_)
         self.contexts_, rows = [], self.context_rows_.shape[1]
         with tqdm(total=len(self.context_rows_), desc="fit: encode contexts", unit="context",
-                  disable=not self.verbose) as bar:  # most of a long fit; a step per group of forwards
+                  disable=not self.verbose) as bar:  # most of a long fit; a step per forward
             for units, width in forward_sizes.context_groups(widths[self.context_members_], rows):
                 forwards = np.array_split(units, sizes.tables(len(units), rows, width, encoding=True))
-                self.contexts_ += zip(forwards, map_tables(encode, forwards, sizes.workers), strict=True)
+                encoded = map_tables(encode, forwards, sizes.workers, lambda units: bar.update(len(units)))
+                self.contexts_ += zip(forwards, encoded, strict=True)
                 self._release_heap()
-                bar.update(len(units))
         self._contexts_encoded()
 
     def _member_widths(self, cells: Cells) -> np.ndarray:

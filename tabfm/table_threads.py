@@ -56,18 +56,26 @@ def table_workers(device: torch.device | str, sharded: bool = False) -> int:
     return max(1, torch.get_num_threads())
 
 
-def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+def map_tables(fn: Callable[[T], R], items: Sequence[T], workers: int,
+               done: Callable[[T], object] | None = None) -> list[R]:
     """[fn(item) for item in items], run on up to `workers` threads of one intra-op thread each; results in the
     items' order. The first exception raised in a thread (or a KeyboardInterrupt here) is raised here once the
-    running items end; the items not yet started are dropped, not run."""
-    if workers <= 1 or len(items) <= 1:
-        return [fn(item) for item in items]
-    pool = ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="tabfm-tables",
-                              initializer=torch.set_num_threads, initargs=(1,))
+    running items end; the items not yet started are dropped, not run. done(item), where given, runs on the
+    calling thread as each result is taken, in the items' order (a progress bar's step: no lock needed)."""
+    pool = None
+    if workers > 1 and len(items) > 1:
+        pool = ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="tabfm-tables",
+                                  initializer=torch.set_num_threads, initargs=(1,))
     try:
-        return list(pool.map(fn, items))
+        out = []
+        for item, result in zip(items, map(fn, items) if pool is None else pool.map(fn, items), strict=True):
+            out.append(result)
+            if done is not None:
+                done(item)
+        return out
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 HOST_WORK_ROWS = 10_000

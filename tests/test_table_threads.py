@@ -37,6 +37,24 @@ def test_map_tables_with_one_worker_runs_in_the_calling_thread():
     assert names == [threading.current_thread().name] * 3
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_map_tables_calls_done_on_the_calling_thread_in_the_items_order(workers):
+    """done(item) steps a progress bar: on the calling thread (no lock), once per item, in order, each after
+    its result exists."""
+    results, calls = {}, []
+
+    def work(i):
+        time.sleep(0.01 * (i % 3))  # finishing out of order on two threads
+        results[i] = i * i
+        return i * i
+
+    def done(i):
+        calls.append((i, threading.current_thread().name, i in results))
+
+    assert map_tables(work, list(range(9)), workers=workers, done=done) == [i * i for i in range(9)]
+    assert calls == [(i, threading.current_thread().name, True) for i in range(9)]
+
+
 def test_map_tables_raises_what_a_worker_raised_and_drops_the_items_not_started():
     started = []
 
