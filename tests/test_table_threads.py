@@ -226,7 +226,8 @@ def test_the_estimators_cpu_work_between_forwards_runs_on_one_thread(Estimator, 
         recorded(owner, name)
     workers = []
     real_map = estimator_module.map_tables
-    monkeypatch.setattr(estimator_module, "map_tables", lambda fn, items, w: workers.append(w) or real_map(fn, items, w))
+    monkeypatch.setattr(estimator_module, "map_tables",
+                        lambda fn, items, w, *done: workers.append(w) or real_map(fn, items, w, *done))
     X, y = estimator_table(Estimator, 300)
     Estimator(n_estimators=4, local_context_rows=64, n_jobs=2).fit(X, y).predict(X[:50])
     assert {"fit", "routes"} <= set(seen) and ({"fit_design", "predict_proba"} <= set(seen)
