@@ -61,10 +61,11 @@ def _meminfo_available() -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    """Room under this process's cgroup memory limit (a container's, a Kubernetes pod's, a systemd unit's): the
-    limit less what the cgroup uses, its inactive file cache not counted (the kernel reclaims it first, as `docker
-    stats` reckons); None without a limit or where cgroups cannot be read. cgroup v1's memory controller or v2's
-    unified hierarchy, at the path /proc/self/cgroup names, else at the mount's root (a container's own view)."""
+    """Room under this process's cgroup memory limits (a container's, a Kubernetes pod's, a systemd unit's): the
+    smallest over its cgroup and the ancestors that have a limit (a child without one lives within its parent's)
+    of the limit less what that cgroup uses, its inactive file cache not counted (the kernel reclaims it first, as
+    `docker stats` reckons); None without a limit or where cgroups cannot be read. cgroup v1's memory controller or
+    v2's unified hierarchy, at the path /proc/self/cgroup names, else at the mount's root (a container's own view)."""
     try:
         lines = _read(Path(PROC_CGROUP)).splitlines()
     except OSError:
@@ -76,21 +77,35 @@ def _cgroup_room() -> int | None:
         number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if "memory" in controllers.split(","):
             root = Path(CGROUP_ROOT) / "memory"
-            places += [(root / path.lstrip("/"), *v1), (root, *v1)]
+            places += [(root / path.lstrip("/"), root, v1), (root, root, v1)]
         elif number == "0":
             root = Path(CGROUP_ROOT)
-            places += [(root / path.lstrip("/"), *v2), (root, *v2)]
-    for folder, limit_file, usage_file, inactive_key in places:
+            places += [(root / path.lstrip("/"), root, v2), (root, root, v2)]
+    for folder, root, files in places:
         try:
-            limit = _read(folder / limit_file)
-            if limit == "max" or int(limit) >= UNLIMITED:
-                return None
-            stat = dict(line.split() for line in _read(folder / "memory.stat").splitlines() if line.count(" ") == 1)
-            used = int(_read(folder / usage_file)) - int(stat.get(inactive_key, 0))
-            return max(0, int(limit) - used)
+            rooms = [_room(folder, *files)]
         except (OSError, ValueError):
-            continue
+            continue  # not this place: the next one
+        for parent in folder.parents if folder != root else []:
+            if parent != root and root not in parent.parents:
+                break
+            try:
+                rooms.append(_room(parent, *files))
+            except (OSError, ValueError):
+                break  # above the part of the hierarchy this process can read
+        limited = [room for room in rooms if room is not None]
+        return min(limited) if limited else None
     return None
+
+
+def _room(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """One cgroup's limit less its usage without inactive file cache; None when it has no limit. Raises OSError
+    or ValueError where its files cannot be read."""
+    limit = _read(folder / limit_file)
+    if limit == "max" or int(limit) >= UNLIMITED:
+        return None
+    stat = dict(line.split() for line in _read(folder / "memory.stat").splitlines() if line.count(" ") == 1)
+    return max(0, int(limit) - (int(_read(folder / usage_file)) - int(stat.get(inactive_key, 0))))
 
 
 def check_cache_fits(member_bytes: list[int], train_rows: int, device: torch.device,

@@ -54,6 +54,16 @@ def test_a_cgroup_limit_bounds_the_memory_available(tmp_path, monkeypatch):
     assert available_bytes(torch.device("cpu")) == min(host, GIB)
 
 
+def test_a_parents_cgroup_limit_bounds_a_child_without_one(tmp_path, monkeypatch):
+    """A cgroup without a limit of its own lives within its ancestors' (a pod's limit over its containers'
+    cgroups): the tightest room along the way counts."""
+    _cgroups(tmp_path, monkeypatch, "0::/pod/app\n", {
+        "pod/app/memory.max": "max\n", "pod/app/memory.current": f"{GIB}\n", "pod/app/memory.stat": "",
+        "pod/memory.max": f"{3 * GIB}\n", "pod/memory.current": f"{2 * GIB}\n", "pod/memory.stat": "inactive_file 0\n",
+        "memory.max": "max\n", "memory.current": f"{5 * GIB}\n", "memory.stat": ""})
+    assert cache_memory._cgroup_room() == GIB
+
+
 @pytest.mark.parametrize("proc, files", [
     ("0::/\n", {"memory.max": "max\n", "memory.current": "5\n", "memory.stat": ""}),
     ("4:memory:/a\n", {"memory/a/memory.limit_in_bytes": "9223372036854771712", "memory/a/memory.usage_in_bytes": "5",
