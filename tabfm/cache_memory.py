@@ -126,15 +126,14 @@ def check_cache_fits(member_bytes: list[int], train_rows: int, device: torch.dev
                       "max_features")
 
 
-def check_contexts(config: ModelConfig, rows: int, context_members: np.ndarray, widths: np.ndarray,
+def check_contexts(config: ModelConfig, rows: int, counts: list[int] | np.ndarray, widths: np.ndarray,
                    element_size: int, train_rows: int, device: torch.device) -> None:
-    """check_cache_fits for an estimator's drawn contexts: each of `rows` train rows, context_members [U] the
-    member of each, widths [M] the columns each member shows. Skipped under torch.distributed: the ranks of one
+    """check_cache_fits for an estimator's drawn contexts, each of `rows` train rows: counts [M] how many each
+    member has, widths [M] the columns each member shows. Skipped under torch.distributed: the ranks of one
     machine share its memory and read it at different moments, so one might refuse while the others go on into
     collectives that would then wait for it forever."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    member_bytes = [0] * len(widths)
-    for m in context_members:
-        member_bytes[m] += context_cache_bytes(config, rows, int(widths[m]), element_size)
+    member_bytes = [int(count) * context_cache_bytes(config, rows, int(width), element_size)
+                    for count, width in zip(counts, widths, strict=True)]
     check_cache_fits(member_bytes, train_rows, device)

@@ -240,12 +240,11 @@ class _TabFMBase(BaseEstimator):
         rows the first held_members members' local contexts leave out (only with local contexts)."""
         n = len(cells.values)
         if self.local_context_rows is not None and n > self.local_context_rows:
-            def check(counts: list[int]) -> None:  # before the search for each context's rows (minutes at 1M)
-                self._check_cache_memory(cells, np.repeat(np.arange(len(counts)), counts), self.local_context_rows)
-
-            self.local_ = LocalContexts.fit(cells, self._relevance_targets(y), self.n_members_,
-                                            self.local_context_rows, rng, relevance, self.device_, held=held,
-                                            held_members=held_members, check_counts=check)
+            # the memory check before the searches for each context's rows (minutes at a million rows)
+            self.local_ = LocalContexts.fit(
+                cells, self._relevance_targets(y), self.n_members_, self.local_context_rows, rng, relevance,
+                self.device_, held=held, held_members=held_members,
+                check_counts=lambda counts: self._check_cache_memory(cells, counts, self.local_context_rows))
             self.context_rows_, self.context_members_ = self.local_.rows, self.local_.members
             return
         if held is not None and held_members:
@@ -258,7 +257,8 @@ class _TabFMBase(BaseEstimator):
                                            for _ in range(self.n_members_)])
         else:
             self.context_rows_ = np.tile(np.arange(n), (self.n_members_, 1))
-        self._check_cache_memory(cells, self.context_members_, self.context_rows_.shape[1])
+        self._check_cache_memory(cells, np.bincount(self.context_members_, minlength=self.n_members_),
+                                 self.context_rows_.shape[1])
 
     def _model(self) -> TabFM:
         """The fitted `model_`; loaded here (with its mesh under tensor_parallel) when absent: at fit, and once
@@ -367,13 +367,13 @@ class _TabFMBase(BaseEstimator):
         return np.array([member_width(m, cells.is_cat, cells.n_cats, self.preprocessor_.max_columns)
                          for m in self.members_])
 
-    def _check_cache_memory(self, cells: Cells, context_members: np.ndarray, rows: int) -> None:
-        """Refuse (MemoryError) contexts of `rows` rows of `cells` (context_members [U]: whose each is) whose cached
-        keys and values would not fit in the memory available, before any is encoded (tabfm.cache_memory); not
-        under torch.distributed (cache_memory.check_contexts says why)."""
+    def _check_cache_memory(self, cells: Cells, counts: list[int] | np.ndarray, rows: int) -> None:
+        """Refuse (MemoryError) contexts of `rows` rows of `cells` (counts [M]: each member's) whose cached keys and
+        values would not fit in the memory available, before any is encoded (tabfm.cache_memory); not under
+        torch.distributed (cache_memory.check_contexts says why)."""
         element = 2 if self.precision_ == "bf16" else torch.finfo(self.dtype_).bits // 8  # autocast caches: bf16
-        check_contexts(self._model().config, rows, context_members, self._member_widths(cells), element,
-                       len(cells.values), self.device_)
+        check_contexts(self._model().config, rows, counts, self._member_widths(cells), element, len(cells.values),
+                       self.device_)
 
     def _release_heap(self) -> None:
         """On a CPU, give the heap's freed memory back between forwards (tabfm.heap_release: without it resident
