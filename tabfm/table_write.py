@@ -53,7 +53,7 @@ def check_output(path: str | None, inputs: Iterable[str | Path] = (), overwrite:
         if _same_file(p, Path(source)):
             raise TableError(f"{path}: is the input table {source}; writing there would overwrite it, choose "
                              "another output file")
-    if p.exists() and not overwrite:
+    if (p.exists() or p.is_symlink()) and not overwrite:  # a link to nothing is still someone's path
         raise TableError(f"{path}: already exists; choose another output file, or replace it with --overwrite")
     return p
 

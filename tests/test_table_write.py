@@ -32,17 +32,20 @@ def test_check_output_refuses_before_any_work(tmp_path):
         (tmp_path / "sub" / ".." / "train.csv", "is the input table"),
         (tmp_path / "link.csv", "is the input table"),
         (tmp_path / "old.csv", "old.csv: already exists; choose another output file, or replace it with --overwrite"),
+        (tmp_path / "dangling.csv", "dangling.csv: already exists"),  # a link to nothing was replaced unasked
     ]
     _write(tmp_path / "old.csv", "an earlier run\n")
     (tmp_path / "dir.csv").mkdir()
     (tmp_path / "outdir").mkdir()  # a folder without an extension was told to get one
     (tmp_path / "sub").mkdir()
     os.symlink(train, tmp_path / "link.csv")
+    os.symlink(tmp_path / "nowhere" / "p.csv", tmp_path / "dangling.csv")
     for path, message in cases:
         with pytest.raises(TableError) as err:
             check_output(str(path), [train])
         assert message in str(err.value), path
     assert train.read_text() == "a\n1\n" and (tmp_path / "old.csv").read_text() == "an earlier run\n"
+    assert (tmp_path / "dangling.csv").is_symlink()
     assert check_output(str(tmp_path / "old.csv"), [train], overwrite=True) == tmp_path / "old.csv"
     with pytest.raises(TableError, match="is the input table"):  # --overwrite never covers an input table
         check_output(str(train), [train], overwrite=True)
