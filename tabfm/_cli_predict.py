@@ -162,7 +162,7 @@ def load_train(args: argparse.Namespace):
                                                       args.decimal_comma)
     _say_short_rows(args, args.train, table_io.short_rows(args.train, args.separator,
                                                           train.get_column(train.columns[-1]).null_count()))
-    for column, k, n, others in table_io.mostly_numeric_text(train):
+    for column, k, n, others in table_io.mostly_numeric_text(train, args.decimal_comma):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)

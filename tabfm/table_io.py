@@ -353,9 +353,20 @@ def text_to_temporal(s: pl.Series, dtype: pl.DataType) -> pl.Series:
     return out.dt.convert_time_zone(dtype.time_zone) if aware else out
 
 
+POINT_THOUSANDS = r"^[+-]?[1-9]\d{0,2}(\.\d{3})+(,\d+)?$"
+"""A number written with a decimal comma and points grouping its thousands (2.981,74 or 4.500), as the exports
+that write a decimal comma write them."""
+
+
 def _decimal_point(s: pl.Series) -> pl.Series:
-    """Text cells with a decimal comma written with a point (1,5 -> 1.5), for reading them as numbers."""
-    return s.str.replace(",", ".", literal=True)
+    """Text cells with a decimal comma written with a point (1,5 -> 1.5), for reading them as numbers; points that
+    group thousands before it are dropped (2.981,74 -> 2981.74: read as 2.981.74 they were no number, and the
+    column became text)."""
+    import polars as pl
+
+    grouped = s.str.contains(POINT_THOUSANDS)
+    whole = pl.select(pl.when(grouped).then(s.str.replace_all(".", "", literal=True)).otherwise(s)).to_series()
+    return whole.str.replace(",", ".", literal=True).alias(s.name)
 
 
 THOUSANDS = r"^[+-]?[1-9]\d{0,2}(,\d{3})+(\.\d+)?$"
@@ -410,8 +421,9 @@ def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
     return pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(s.name)).to_series()
 
 
-def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:
-    """Text columns where most cells are numbers: (column, numbers, non-missing cells, up to 3 of the other values).
+def mostly_numeric_text(df: pl.DataFrame, decimal_comma: bool = False) -> list[tuple[str, int, int, list[str]]]:
+    """Text columns where most cells are numbers (written with a decimal comma, with `decimal_comma`): (column,
+    numbers, non-missing cells, up to 3 of the other values).
 
     Such a column is read as categories, which is rarely what was meant: the other values are usually a missing
     token that is not in the NA list, or a typo. Only finite numbers count: "nan" and "inf", which polars reads as
@@ -424,7 +436,7 @@ def mostly_numeric_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]
         if dtype != pl.String:
             continue
         s = df.get_column(name).drop_nulls()
-        finite = s.cast(pl.Float64, strict=False).is_finite().fill_null(False)
+        finite = (_decimal_point(s) if decimal_comma else s).cast(pl.Float64, strict=False).is_finite().fill_null(False)
         n = s.len()
         k = int(finite.sum())
         if n and 2 * k > n:

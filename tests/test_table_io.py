@@ -171,6 +171,19 @@ def test_a_separator_and_decimal_commas(tmp_path):
         list(TableScan(f, separator=";").batches({"a": pl.Float64}, 10))
 
 
+def test_decimal_commas_with_points_grouping_thousands(tmp_path):
+    """A decimal-comma export writes thousands as 2.981,74: read as 2.981.74 that was no number, and the column
+    was left out as an id column without a word of why."""
+    f = _write(tmp_path / "de.csv", "price;y\n2.981,74;1\n12,50;0\n4.500;1\n-1.234.567,5;0\n0,125;1\n")
+    df = read_table(f, separator=";", decimal_comma=True)
+    assert df["price"].to_list() == [2981.74, 12.5, 4500.0, -1234567.5, 0.125]
+    scan = TableScan(f, separator=";", decimal_comma=True)
+    assert pl.concat(scan.batches(df.schema, 2))["price"].to_list() == df["price"].to_list()
+    text = pl.DataFrame({"p": ["1,5", "2.000,5", "3", "n/a"]})  # mostly numbers with a decimal comma
+    assert mostly_numeric_text(text, decimal_comma=True) == [("p", 3, 4, ["n/a"])]
+    assert mostly_numeric_text(text) == []  # without it, "1,5" is no number: the decimal-comma warning's case
+
+
 @pytest.mark.parametrize("cells, dtype, text", [
     (["01", "2", "NA"], pl.Int64, ["01", "2", None]), (["7", "007", ""], pl.Int64, ["7", "007", None]),
     (["1.0", "2.50", "1e3"], pl.Float64, ["1.0", "2.50", "1e3"]),
