@@ -38,6 +38,7 @@ SEPARATOR_NAMES = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
 
 _PARQUET_MAGIC = b"PAR1"
 _ISO_DATE_START = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")
+_DATE_FORMAT = "%Y-%m-%d"
 _DATETIME_FORMATS = tuple(f"%Y-%m-%d{t}%H:%M{s}" for t in ("T", " ") for s in (":%S%.f", ""))
 """ISO-8601 date-times a text cell may hold (seconds and their fraction optional; %z is added for an offset)."""
 
@@ -340,15 +341,17 @@ def _as_temporal(s: pl.Series) -> pl.Series:
 def text_to_temporal(s: pl.Series, dtype: pl.DataType) -> pl.Series:
     """Text cells as `dtype` (Date, or Datetime: with an offset or Z when it has a time zone, naive otherwise),
     each cell read alone in ISO 8601 (so a batch reads as the whole table would); a cell that is not one is
-    missing."""
+    missing. A naive date-time may be a date alone, its midnight (a column of dates whose times are written only
+    where they are not midnight; a date was refused where the train table had date-times); one with a time zone
+    needs its offset, which a date alone does not give."""
     import polars as pl
 
     if dtype == pl.Date:
-        return s.str.to_date("%Y-%m-%d", strict=False)
+        return s.str.to_date(_DATE_FORMAT, strict=False)
     aware = dtype.time_zone is not None
     text = s.str.replace(r"Z$", "+00:00") if aware else s
-    parsed = [text.str.to_datetime(f + ("%z" if aware else ""), strict=False, time_unit=dtype.time_unit)
-              for f in _DATETIME_FORMATS]
+    formats = [f + "%z" for f in _DATETIME_FORMATS] if aware else [*_DATETIME_FORMATS, _DATE_FORMAT]
+    parsed = [text.str.to_datetime(f, strict=False, time_unit=dtype.time_unit) for f in formats]
     out = pl.select(pl.coalesce(parsed)).to_series().alias(s.name)
     return out.dt.convert_time_zone(dtype.time_zone) if aware else out
 

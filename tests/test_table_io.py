@@ -93,11 +93,22 @@ def test_a_cell_that_is_not_a_date_in_a_date_column_is_named(tmp_path):
                        r"has dates \(such as 2024-01-31\); fix that cell"):
         list(TableScan(f).batches({"d": pl.Date}, 10))
     with pytest.raises(TableError, match=r"column 't' holds '2024-01-31' \(row 2\) where the train table has "
-                       r"date-times \(such as 2024-01-31T13:45:00\)"):
-        list(TableScan(f).batches({"t": pl.Datetime("ns")}, 10))
+                       r"date-times with an offset \(such as 2024-01-31T13:45:00\+01:00\)"):  # no zone in a date
+        list(TableScan(_write(tmp_path / "z.csv", "t\n2024-01-31T13:45:00Z\n2024-01-31\n")).batches(
+            {"t": pl.Datetime("ns", "UTC")}, 10))
     with pytest.raises(TableError, match="column 'd' is Time in the train table, which text cells are not read as; "
                        "give this table as Parquet"):
         list(TableScan(f).batches({"d": pl.Time}, 10))
+
+
+def test_a_date_alone_in_a_date_time_column_is_its_midnight(tmp_path):
+    """ISO 8601 (and pandas) read a date alone as its midnight: a column written with times only where they are not
+    midnight was left out as an id column, and a test cell 2021-12-01 was refused where the train table had
+    date-times."""
+    f = _write(tmp_path / "t.csv", "t\n2024-01-31\n2024-01-31T13:45:00\n2024-02-01 08:00\n")
+    df = read_table(f)
+    assert df["t"].to_list() == [datetime(2024, 1, 31), datetime(2024, 1, 31, 13, 45), datetime(2024, 2, 1, 8)]
+    assert pl.concat(TableScan(f).batches({"t": pl.Datetime("us")}, 1)).equals(df)
 
 
 def test_a_time_zone_of_the_train_table_is_kept(tmp_path):
