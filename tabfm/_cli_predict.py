@@ -392,8 +392,11 @@ def fit(args: argparse.Namespace, X, y, task: str):
                   categorical_features=_categorical_columns(args) or "auto",
                   verbose=not args.quiet and _is_rank0())  # a bar over the fit's contexts
     est = (TabFMRegressor if task == "regression" else TabFMClassifier)(**kwargs)
-    # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text
-    y_values = y.to_numpy() if task == "regression" or y.dtype.is_numeric() else y.cast(pl.String).to_numpy()
+    # classes keep a numeric target's order (proba_2 before proba_10, as est.classes_ in Python), others as text;
+    # fractional classes (ratings of 3.5 and 4.5) as text too, which scikit-learn's classifiers take (as floats they
+    # are a "continuous" target they refuse), written back as numbers (prediction_frame)
+    numeric = y.dtype.is_numeric() and not (y.dtype.is_float() and (y != y.round(0)).any())
+    y_values = y.to_numpy() if task == "regression" or numeric else y.cast(pl.String).to_numpy()
     with _warnings_as_lines(args):  # e.g. an id column left out: a warning line, not a source path
         warnings.simplefilter("ignore", NumericTextWarning)  # read_tables said it already, with the CLI's remedy
         return est.fit(X, y_values).set_params(verbose=False)  # predict's bar is the CLI's own, over rows

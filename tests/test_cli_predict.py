@@ -103,6 +103,7 @@ def test_test_columns_the_train_table_lacks_are_named_and_change_nothing(tables,
     (["007", "7", "07"], ["007", "07", "7"]),        # read as one class 7
     (["TRUE", "FALSE"], ["FALSE", "TRUE"]),          # read as booleans, written back as true / false
     (["1", "10", "2"], ["1", "2", "10"]),            # spelled as read: integers, in their numeric order
+    (["3.5", "4.5"], ["3.5", "4.5"]),                # fractional classes: scikit-learn's "continuous" refusal
 ])
 def test_class_labels_are_written_as_the_train_file_spells_them(tmp_path, capsys, labels, classes):
     rng = np.random.default_rng(0)
