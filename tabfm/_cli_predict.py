@@ -179,6 +179,9 @@ def load_train(args: argparse.Namespace):
         raise ValueError(f"{args.train} has no column {args.target!r}; columns: {', '.join(map(repr, train.columns))}")
     table_io.check_finite(train, str(args.train))  # before rows are left out: its row numbers are the file's
     target = train.get_column(args.target)
+    if target.dtype.is_nested() or target.dtype in (pl.Binary, pl.Object):  # a Parquet list or struct column
+        raise ValueError(f"{args.train}: the target {args.target!r} has the polars type {target.dtype}; a target "
+                         "holds one number, text or boolean per row: flatten or convert that column")
     labelled = target.is_not_null()
     if target.dtype.is_float():  # a Parquet file's NaN is a missing target too, as a CSV's "NaN" cell is null
         labelled = labelled & ~target.is_nan().fill_null(False)

@@ -405,6 +405,19 @@ def test_bad_input_gives_one_line_and_writes_nothing(tables, capsys, files, args
     assert _snapshot(tables) == before
 
 
+@pytest.mark.parametrize("labels, dtype", [([[0], [1]], "List(Int64)"), ([{"k": 0}, {"k": 1}], "Struct")])
+def test_a_nested_target_gives_one_line(tables, capsys, labels, dtype):
+    """A Parquet target of lists was a traceback (polars cannot cast List to String), one of structs became
+    labels such as {1} without a word."""
+    pl.DataFrame({"x": np.arange(40) / 10, "y": labels * 20}).write_parquet(tables / "nested.parquet")
+    before = _snapshot(tables)
+    assert main(["predict", "--train", str(tables / "nested.parquet"), "--target", "y", "--test",
+                 str(tables / "test.csv"), "-o", str(tables / "out.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"nested.parquet: the target 'y' has the polars type {dtype}" in err, err
+    assert _snapshot(tables) == before
+
+
 def test_output_is_checked_before_torchrun_starts(tables, capsys):
     argv = ["predict", "--train", str(tables / "train.csv"), "--target", "label", "--test", str(tables / "test.csv"),
             "--nproc", "2", "-o", str(tables / "train.csv")]
