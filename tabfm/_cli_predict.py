@@ -166,6 +166,10 @@ def load_train(args: argparse.Namespace):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
+    for column, k, n, others in table_io.mostly_temporal_text(train):
+        shown = ", ".join(repr(v) for v in others)
+        _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
+             f"are dates; the others: {shown}. Fix them, or pass --na-values if they mean missing", warning=True)
     for column, example in [] if args.decimal_comma else table_io.thousands_text(train):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"if {example!r} is {example.replace(',', '')} (thousands separators) or "

@@ -448,14 +448,37 @@ def mostly_numeric_text(df: pl.DataFrame, decimal_comma: bool = False) -> list[t
     return found
 
 
+def mostly_temporal_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:
+    """Text columns where most cells are ISO dates or date-times but some are not (2020-02-30, a typo): (column,
+    dates, non-missing cells, up to 3 of the other values). Such a column is read as categories, every later date
+    a category the train rows never saw, which was done without a word."""
+    import polars as pl
+
+    found = []
+    for name, dtype in df.schema.items():
+        if dtype != pl.String:
+            continue
+        s = df.get_column(name).drop_nulls().str.strip_chars()
+        n = s.len()
+        if not n or 2 * int(s.str.contains(_ISO_DATE_START.pattern).sum()) <= n:
+            continue
+        read = max((text_to_temporal(s, t).is_not_null() for t in (pl.Date, pl.Datetime("us"),
+                                                                    pl.Datetime("us", "UTC"))),
+                   key=lambda ok: int(ok.sum()))
+        k = int(read.sum())
+        if k < n and 2 * k > n:
+            found.append((name, k, n, s.filter(~read).unique(maintain_order=True).head(3).to_list()))
+    return found
+
+
 class TableScan:
     """A table file read in batches of rows, for tables larger than memory (`tabfm predict --test`).
 
     Opening it checks what read_table checks up front (the file, its header, at least one row: counted in one
     streaming pass) and reads the first `check_rows` rows, so a file that is bad from the start is refused before
-    any work; a bad row further on raises the same TableError from batches(). batches() reads the cells as text and gives each column the type it has in another table
-    (the train table's schema), cell by cell, so a batch whose column happens to be all missing or all integers is
-    read exactly as in any other batch, whatever the batch size.
+    any work; a bad row further on raises the same TableError from batches(). batches() reads the cells as text and
+    gives each column the type it has in another table (the train table's schema), cell by cell, so a batch whose
+    column happens to be all missing or all integers is read exactly as in any other batch, whatever the batch size.
     """
 
     def __init__(self, path: str | Path, na_values: Sequence[str] = NA_VALUES, check_rows: int = 1000,

@@ -73,8 +73,8 @@ def test_integer_classes_keep_their_numeric_order(tables, capsys):
     train = pl.read_csv(tables / "train.csv")
     grade = pl.Series("grade", [(1, 2, 10)[i % 3] for i in range(train.height)])
     train.drop("label").with_columns(grade).write_csv(tables / "grades.csv")
-    rc = main(["predict", "--train", str(tables / "grades.csv"), "--target", "grade", "--test", str(tables / "test.csv"),
-               "--task", "classification", "--proba", "--n-estimators", "1", "--quiet"])
+    rc = main(["predict", "--train", str(tables / "grades.csv"), "--target", "grade", "--test",
+               str(tables / "test.csv"), "--task", "classification", "--proba", "--n-estimators", "1", "--quiet"])
     assert rc == 0
     pred = pl.read_csv(io.StringIO(capsys.readouterr().out))
     assert pred.columns == ["grade", "proba_1", "proba_2", "proba_10"]
@@ -360,6 +360,20 @@ def test_a_mostly_numeric_text_column_is_warned_about(tables, capsys):
 
 
 
+def test_a_date_column_with_a_date_that_is_not_one_is_warned_about(tables, capsys):
+    """One impossible date made the column categories without a word (later dates all unseen categories)."""
+    days = [f"2020-01-{1 + i % 28:02d}" for i in range(59)] + ["2020-02-30"]
+    (tables / "days.csv").write_text("x,day,y\n" + "\n".join(f"{i % 7},{d},{'ab'[i % 2]}" for i, d in enumerate(days)))
+    argv = ["predict", "--train", str(tables / "days.csv"), "--test", str(tables / "test.csv"), "--target", "nope"]
+    assert main(argv) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == (f"tabfm predict: warning: {tables / 'days.csv'}: column 'day' is read as text (categories) "
+                       "although 59 of its 60 values are dates; the others: '2020-02-30'. Fix them, or pass "
+                       "--na-values if they mean missing")
+    assert main([*argv, "--na-values", "2020-02-30"]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_mostly_numeric_text_column_is_warned_about_once(tables, capsys):
     train = pl.read_csv(tables / "train.csv")
     train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
@@ -486,7 +500,8 @@ def test_the_stream_gives_what_the_estimator_gives_on_the_whole_table(tables, lo
 
 
 @pytest.mark.parametrize("spoil, message", [
-    (lambda fields: ["oops", *fields[1:]], "{test}: column 'x' holds 'oops' (row 20) where the train table has numbers"),
+    (lambda fields: ["oops", *fields[1:]],
+     "{test}: column 'x' holds 'oops' (row 20) where the train table has numbers"),
     (lambda fields: [*fields, "1", "2", "3"], "{test}: line 21 has 10 fields but the header has 7"),
 ], ids=["bad cell", "ragged line"])  # polars reads text in blocks: this small file's ragged line is met up front
 def test_a_bad_row_half_way_leaves_no_output(tables, capsys, spoil, message):

@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 from tabfm import table_io
-from tabfm.table_io import (NA_VALUES, TableError, TableScan, decimal_comma_text, mostly_numeric_text, na_tokens,
-                            read_table, read_table_and_text, thousands_text)
+from tabfm.table_io import (NA_VALUES, TableError, TableScan, decimal_comma_text, mostly_numeric_text,
+                            mostly_temporal_text, na_tokens, read_table, read_table_and_text, thousands_text)
 
 
 def _write(path, data: bytes | str):
@@ -109,6 +109,18 @@ def test_a_date_alone_in_a_date_time_column_is_its_midnight(tmp_path):
     df = read_table(f)
     assert df["t"].to_list() == [datetime(2024, 1, 31), datetime(2024, 1, 31, 13, 45), datetime(2024, 2, 1, 8)]
     assert pl.concat(TableScan(f).batches({"t": pl.Datetime("us")}, 1)).equals(df)
+
+
+def test_a_date_column_with_an_impossible_date_is_reported(tmp_path):
+    """One impossible date (2020-02-30) made a column of dates categories without a word."""
+    days = [f"2020-01-{d:02d}" for d in range(1, 29)]
+    f = _write(tmp_path / "t.csv", "d,t,free\n" + "\n".join(
+        f"{d},{d}T0{i % 10}:00:00,{'2020-01-01 x' if i else 'word'}" for i, d in enumerate(days[:-1]))
+               + "\n2020-02-30,2020-01-01T25:00:00,2020-01-02\n")
+    df = read_table(f)
+    assert df.schema == pl.Schema({"d": pl.String, "t": pl.String, "free": pl.String})
+    assert mostly_temporal_text(df) == [("d", 27, 28, ["2020-02-30"]), ("t", 27, 28, ["2020-01-01T25:00:00"])]
+    assert mostly_temporal_text(read_table(_write(tmp_path / "ok.csv", "d\n2020-01-01\n2020-01-02\n"))) == []
 
 
 def test_a_time_zone_of_the_train_table_is_kept(tmp_path):
