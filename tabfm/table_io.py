@@ -161,6 +161,9 @@ def _check_text_encoding(p: Path, head: bytes) -> None:
                          "(e.g. `iconv -f utf-16 -t utf-8`, or Excel's \"CSV UTF-8\")")
     with p.open("rb") as f:
         header = f.readline(1 << 20)
+    if b"\r" in header.rstrip(b"\r\n") and b"\n" not in header:  # polars reads such a file as one line
+        raise TableError(f"{p}: its lines end in a carriage return alone (classic Mac line endings); convert them to "
+                         f"newlines (e.g. `tr '\\r' '\\n' < {p.name} > fixed{p.suffix}`, or save as \"CSV UTF-8\")")
     try:
         header.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -290,6 +293,9 @@ def _check_header(p: Path, columns: Sequence[str]) -> None:
     """polars renames a repeated column name to NAME_duplicated_0 without a word; refuse it instead. A column with
     no name is refused too: it is nearly always the row index pandas' to_csv writes, which the model would take
     for a feature (and which nothing could name in --target or --categorical)."""
+    if "" in columns and list(columns).index("") == len(columns) - 1 > 0:
+        raise TableError(f"{p}: the last column ({len(columns)}) has no name in the header: do the lines end in a "
+                         "separator (such as a trailing ',')? Remove it, or give the column a name")
     if "" in columns:
         raise TableError(f"{p}: column {list(columns).index('') + 1} has no name in the header (the row index that "
                          "pandas' to_csv writes?): drop it (to_csv(..., index=False)) or give it a name")

@@ -150,6 +150,10 @@ UNREADABLE = [
     ("dup.csv", b"a,b,a\n1,2,3\n", "column name 'a' appears more than once"),
     ("index.csv", b",a,y\n0,1.5,p\n1,2.5,n\n", "column 1 has no name in the header (the row index that pandas' "
      "to_csv writes?): drop it (to_csv(..., index=False)) or give it a name"),
+    ("trailing.csv", b"x,y,\n1,a,\n2,b,\n", "the last column (3) has no name in the header: do the lines end in a "
+     "separator (such as a trailing ',')? Remove it, or give the column a name"),  # was called a row index
+    ("mac.csv", b"x,c,y\r1,u,a\r2,v,b\r", "its lines end in a carriage return alone (classic Mac line endings); "
+     "convert them to newlines"),  # was "column name 'u' appears more than once in the header"
     ("book.xlsx", b"PK\x03\x04", "unknown table format '.xlsx'"),
     ("semi.csv", b"a;c;y\n1,5;x,y;1\n", "the header 'a;c;y' is one column holding ';': the file looks "
      "semicolon-separated; pass --separator ';' (and --decimal-comma if its numbers are written 1,5), or save it"),
