@@ -55,8 +55,10 @@ def tree_design_width(cells: Cells) -> int:
 @contextlib.contextmanager
 def _tree_threads() -> Iterator[None]:
     """HistGradientBoosting's OpenMP threads at torch's count within the block: the estimator's n_jobs
-    (tabfm.validation.torch_threads), which OpenMP would otherwise ignore and take every core. The trees' outputs
-    do not depend on it."""
+    (tabfm.validation.torch_threads), which OpenMP would otherwise ignore and take every core, or 1 within
+    host_work (tabfm.table_threads): predicting a tree is one parallel region, a fit's nodes several each, and on a
+    busy machine each region of a team waits for a thread that has no core (1,000 rows took 1.3 s on 2 threads
+    beside other processes, 8 ms on one). The trees' outputs do not depend on it."""
     with limit_threads(torch.get_num_threads(), "openmp"):
         yield
 
