@@ -303,9 +303,7 @@ class TabFMClassifier(ClassifierMixin, _TabFMBase):
                 linear = self.linear_model_.predict_proba(cells)
             proba = (1 - self.blend_weight_) * proba + self.blend_weight_ * linear
         if getattr(self, "tree_model_", None) is not None:  # None also for one saved before the trees existed
-            with host_work(len(self.y_train_)):  # a team per tree waits on a busy machine (tree_base._tree_threads)
-                trees = self.tree_model_.predict_proba(cells)
-            proba = (1 - self.tree_weight_) * proba + self.tree_weight_ * trees
+            proba = (1 - self.tree_weight_) * proba + self.tree_weight_ * self.tree_model_.predict_proba(cells)
         return proba
 
     def _combine(self, logp: np.ndarray, temperature: float) -> np.ndarray:

@@ -1,10 +1,9 @@
 """The machinery the scikit-learn estimators share (_TabFMBase: preprocessing, ensemble, encoding, batched predict,
 save / load); `TabFMClassifier` is in tabfm.classifier, `TabFMRegressor` in tabfm.regressor.
 
-fit() learns nothing by gradient: it preprocesses the train rows (tabfm.preprocess), draws the ensemble and
-encodes the train rows once per member (tabfm.inference.encode_context, keys/values cached). predict() runs only
-the test rows, in batches of `batch_size`, against those caches; test rows never see one another, so a
-prediction does not depend on the other rows of X or their order.
+fit() learns nothing by gradient: it preprocesses the train rows (tabfm.preprocess), draws the ensemble and encodes
+the train rows once per member (tabfm.inference.encode_context, keys/values cached). predict() runs only the test
+rows, in batches of `batch_size`, against those caches: a prediction does not depend on the other rows of X.
 
 Ensemble (tabfm.ensemble): member m sees the columns in its own order (member 0: the original order; a random
 subset when max_features is set), numeric columns under its entry of numeric_transforms, categorical columns in
@@ -48,7 +47,8 @@ from tabfm.raw_columns import arrow_as_polars, check_table_shape
 from tabfm.table_threads import host_work, map_tables, table_workers
 from tabfm.tree_base import fit_trees
 from tabfm.tree_fits import TreeFits
-from tabfm.validation import ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed
+from tabfm.validation import (ESTIMATOR_PARAMETER_CONSTRAINTS, _PositiveInt, resolve_device, resolve_seed,
+                              torch_threads)
 
 
 _VIEW_LIST = [tuple, list, str]
@@ -530,10 +530,9 @@ class _TabFMBase(BaseEstimator):
                    n_classes: int | None) -> contextlib.AbstractContextManager[TreeFits | None]:
         """The trees' fits of this fit started beside its forwards (tabfm.tree_fits), on the train cells and
         `targets`, where the calibration weighs trees in (tree_blend, and `folds` to score them on); else None.
-        Their threads: on a CPU one, as the forwards hold the n_jobs threads (two OpenMP teams on the same cores
-        made a 1,000-row fit 1.7x slower on two cores, spinning); on an accelerator, whose forwards leave the host
-        idle, n_jobs less the one that launches the device's work. The fit on every row starts ahead of the trees'
-        weight only where they grow one tree per round (tabfm.tree_fits)."""
+        Their threads: on a CPU one (two OpenMP teams on the same cores made a 1,000-row fit 1.7x slower on two
+        cores); on an accelerator n_jobs less the one that launches the device's work. The fit on every row starts
+        ahead of the trees' weight only where they grow one tree per round (tabfm.tree_fits)."""
         if not (self.tree_blend and folds):
             return contextlib.nullcontext()
         threads = 1 if self.device_.type == "cpu" else max(1, torch.get_num_threads() - 1)
@@ -542,13 +541,14 @@ class _TabFMBase(BaseEstimator):
 
     def _fit_tree_model(self, trees: TreeFits | None = None) -> None:
         """tree_model_: the trees on every train row where they have a weight (those of `trees` where given),
-        else None (at fit, and at load under another scikit-learn than save's, from the saved cells and seed; None
-        too for an estimator saved before they existed)."""
-        if getattr(self, "tree_weight_", 0.0) > 0:
-            self.tree_model_ = (trees.all_rows_model() if trees is not None
-                                else fit_trees(self.train_cells_, *self._tree_targets(), self.tree_seed_))
-        else:
+        else None (at fit, and at load under another scikit-learn than save's, from the saved cells and seed, on one
+        thread on a CPU as at fit; None too for an estimator saved before they existed)."""
+        if getattr(self, "tree_weight_", 0.0) <= 0:
             self.tree_model_ = None
+            return
+        with torch_threads(1) if self.device_.type == "cpu" and trees is None else contextlib.nullcontext():
+            self.tree_model_ = trees.all_rows_model() if trees is not None else fit_trees(
+                self.train_cells_, *self._tree_targets(), self.tree_seed_)
 
     def _tree_targets(self) -> tuple[np.ndarray, int | None]:
         """(what the trees learn of the train rows, the class count or None for regression)."""

@@ -325,8 +325,7 @@ class TabFMRegressor(RegressorMixin, _TabFMBase):
         prediction + v x the trees'."""
         if getattr(self, "tree_model_", None) is None:  # None also for one saved before the trees existed
             return prediction
-        with host_work(len(self.y_train_)):  # a team per tree waits on a busy machine (tree_base._tree_threads)
-            trees = self.target_scale_.inverse(self.tree_model_.predict(cells))
+        trees = self.target_scale_.inverse(self.tree_model_.predict(cells))
         return (1 - self.tree_weight_) * prediction + self.tree_weight_ * trees
 
     @threaded

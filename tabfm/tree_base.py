@@ -54,12 +54,20 @@ def tree_design_width(cells: Cells) -> int:
 
 @contextlib.contextmanager
 def _tree_threads() -> Iterator[None]:
-    """HistGradientBoosting's OpenMP threads at torch's count within the block: the estimator's n_jobs
-    (tabfm.validation.torch_threads), which OpenMP would otherwise ignore and take every core, or 1 within
-    host_work (tabfm.table_threads): predicting a tree is one parallel region, a fit's nodes several each, and on a
-    busy machine each region of a team waits for a thread that has no core (1,000 rows took 1.3 s on 2 threads
-    beside other processes, 8 ms on one). The trees' outputs do not depend on it."""
+    """HistGradientBoosting's OpenMP threads at torch's count within the block, for a fit: the thread count its
+    caller chose (tabfm.tree_fits: one on a CPU), which OpenMP would otherwise ignore and take every core. The
+    trees' outputs do not depend on it."""
     with limit_threads(torch.get_num_threads(), "openmp"):
+        yield
+
+
+@contextlib.contextmanager
+def _predict_threads() -> Iterator[None]:
+    """One OpenMP thread for predicting. Why: predicting a tree is one parallel region, and on a machine whose
+    cores are busy each region of a team waits for a thread that has no core: 1,000 test rows took 1.3 s of a
+    predict on 2 threads beside other processes, 8 ms on one; on one thread 100,000 rows take about 0.5 s, against
+    0.43 s on two when the machine is quiet."""
+    with limit_threads(1, "openmp"):
         yield
 
 
@@ -92,12 +100,12 @@ class TreeModel:
     def predict_proba(self, cells: Cells) -> np.ndarray:
         """[n, n_classes]."""
         proba = np.zeros((len(cells.values), self.n_classes))
-        with _tree_threads():
+        with _predict_threads():
             proba[:, self.model.classes_] = self.model.predict_proba(tree_design(cells)[0])
         return proba
 
     def predict(self, cells: Cells) -> np.ndarray:
         """[n] predicted targets."""
-        with _tree_threads():
+        with _predict_threads():
             return self.model.predict(tree_design(cells)[0])
 

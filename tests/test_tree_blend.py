@@ -207,6 +207,32 @@ def test_trees_run_on_the_estimators_threads(monkeypatch):
     assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
 
 
+def test_on_a_cpu_every_tree_fit_runs_on_one_openmp_thread(tmp_path, monkeypatch):
+    """With n_jobs=2 the forwards get two threads and the trees one, also the fit on every row of more than two
+    classes (started once their weight is known, after the forwards) and the fit again at load under another
+    scikit-learn: a team of two OpenMP threads beside busy processes took 4.5-140 s where one took 1.5 s."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from threadpoolctl import threadpool_info
+
+    from tabfm import persist
+
+    seen = []
+    real = HistGradientBoostingClassifier.fit
+
+    def spy(self, X, y):
+        seen.append({pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "openmp"})
+        return real(self, X, y)
+
+    monkeypatch.setattr(HistGradientBoostingClassifier, "fit", spy)
+    X, y = _three_steps(300, seed=4)
+    clf = TabFMClassifier(**{**FAST, "n_jobs": 2}).fit(X[:250], y[:250])
+    clf.save(tmp_path / "clf")
+    monkeypatch.setattr(persist, "_sklearn_version", lambda: "0.0.0")
+    with pytest.warns(UserWarning, match="saved with scikit-learn"):
+        TabFMClassifier.load(tmp_path / "clf")
+    assert clf.tree_weight_ > 0 and len(seen) == 3 and all(threads == {1} for threads in seen), seen
+
+
 def _tree_threads_left() -> list:
     import threading
 
@@ -259,8 +285,9 @@ def _three_steps(n: int, seed: int = 0):
 @pytest.mark.parametrize("tree_weight", [0.0, None])
 def test_with_more_than_two_classes_the_trees_on_every_row_wait_for_their_weight(monkeypatch, tree_weight):
     """Each round grows a tree per class, so the fit on every train row is not started ahead: only once the
-    weight is known and above 0, on the fit's own thread (tabfm.tree_fits); with two classes it is started ahead
-    (the test above)."""
+    weight is known and above 0, on the trees' thread too (tabfm.tree_fits: its one OpenMP thread on a CPU; on the
+    fit's, a team of two took 4.5-140 s beside busy processes where one took 1.5 s); with two classes it is started
+    ahead (the test above)."""
     import threading
 
     from tabfm import tree_fits
@@ -274,8 +301,8 @@ def test_with_more_than_two_classes_the_trees_on_every_row_wait_for_their_weight
     X, y = _three_steps(500)
     clf = TabFMClassifier(**FAST).fit(X[:400], y[:400])
     assert (clf.tree_weight_ > 0) == (tree_weight is None) and (clf.tree_model_ is None) == (tree_weight == 0)
-    # the held fold's kept rows on the trees' thread, then every row on the fit's
-    assert fitted[0][0] < 400 and fitted[0][1] and fitted[1:] == [(400, False)] * (tree_weight is None)
+    # the held fold's kept rows on the trees' thread, then every row there too
+    assert fitted[0][0] < 400 and fitted[0][1] and fitted[1:] == [(400, True)] * (tree_weight is None)
     assert not _tree_threads_left()
 
 
