@@ -24,6 +24,7 @@ Distribution-valued fields of the prior (Uniform, Choice, ...) are written `{typ
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +170,10 @@ class TrainConfig:
     stage on other tables. A checkpoint that --resume finds takes precedence (a restarted run continues)."""
 
     def __post_init__(self) -> None:
+        for name in ("out_dir", "init_from"):  # ~/runs/x was a folder named ~ in the working folder
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
         at_least = {"steps": 1, "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 0, "eval_every": 0,
                     "eval_max_train_rows": 1}
         _check_ranges(self, "train", {name: (lambda v, low=low: v >= low, f">= {low}")

@@ -257,7 +257,8 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
         raise ValueError(f"--config {config_path} is train.out_dir's config.yaml, which a new run replaces (and "
                          "--overwrite deletes): copy it outside train.out_dir and pass the copy, or continue the "
                          "run with --resume")
-    if cfg.train.init_from and resume is None:  # resuming, a checkpoint takes precedence over init_from
+    resumed = None if resume is None else latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
+    if cfg.train.init_from and resumed is None:  # a checkpoint that --resume finds takes precedence over init_from
         ckpt.check_init_from(cfg.train.init_from, cfg.model)  # before --overwrite deletes anything
         if Path(cfg.train.init_from).is_dir():  # every file's checksum here, not a traceback once training starts
             ckpt.verify_checkpoint(cfg.train.init_from)
@@ -369,6 +370,10 @@ def _check_out_dir_path(out_dir: Path) -> None:
         if (out_dir / name).is_symlink():
             raise ValueError(f"{out_dir / name} is a link (to {(out_dir / name).resolve()}); a run writes there and "
                              "never through a link out of its folder: remove the link")
+        folder = name == CHECKPOINTS
+        if (out_dir / name).exists() and (out_dir / name).is_dir() != folder:  # the run trained, then failed saving
+            raise ValueError(f"{out_dir / name} is a {'file' if folder else 'folder'}, where a run writes its "
+                             f"{'checkpoints folder' if folder else 'file of that name'}: move it away")
 
 
 def _config_error(message: str) -> int:

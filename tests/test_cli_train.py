@@ -459,3 +459,30 @@ def test_a_run_is_not_started_in_the_filesystem_root_the_home_folder_or_a_projec
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a project's root (it holds pyproject.toml)" in err[0]
     assert _snapshot(project) == before
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda run: (run / "checkpoints").touch(), "checkpoints is a file, where a run writes its checkpoints folder"),
+    (lambda run: (run / "metrics.jsonl").mkdir(), "metrics.jsonl is a folder, where a run writes its file"),
+])
+def test_a_run_file_of_the_wrong_kind_is_refused_before_training(tmp_path, capsys, monkeypatch, make, message):
+    """Found by an audit: a file named checkpoints let the run train to its first save and fail there (200 steps
+    lost at checkpoint_every 200); a folder named metrics.jsonl was a traceback."""
+    monkeypatch.setattr(launch, "run_command", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    run = tmp_path / "run"
+    run.mkdir()
+    make(run)
+    assert cli.main(_pretrain_argv(["--nproc", "2", "--set", "parallel.d0=2"], run)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], err
+
+
+def test_resume_without_a_checkpoint_checks_init_from_before_torchrun(tmp_path, capsys, monkeypatch):
+    """Found by an audit: --resume skipped the check of train.init_from, which a resume that finds no checkpoint
+    starts from (README's restart idiom), and every rank failed on it."""
+    monkeypatch.setattr(launch, "run_command", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    argv = _pretrain_argv(["--nproc", "2", "--set", "parallel.d0=2", "train.init_from=nowhere.safetensors"],
+                          tmp_path / "fresh")
+    assert cli.main([*argv, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nowhere.safetensors: no such merged checkpoint file" in err[0], err

@@ -256,3 +256,15 @@ def test_a_key_set_twice_is_refused():
         "--set plan.chunks is given twice ('plan.chunks=4', then 'plan.chunks=2'); give it once"
     cfg = load_config(TINY, ["model=tiny", "model.embed_dim=64", "train.steps=5"])  # a section, then its key: two keys
     assert (cfg.model.embed_dim, cfg.train.steps) == (64, 5)
+
+
+def test_a_run_folder_and_weights_under_the_home_folder_are_expanded():
+    """Found by an audit: train.out_dir: ~/runs/x wrote into a folder named ~ in the working folder."""
+    import os
+
+    from tabfm.config import TrainConfig
+
+    cfg = TrainConfig(out_dir="~/runs/x", init_from="~/w.safetensors")
+    assert cfg.out_dir == os.path.expanduser("~/runs/x") and not cfg.out_dir.startswith("~")
+    assert cfg.init_from == os.path.expanduser("~/w.safetensors")
+    assert TrainConfig(out_dir="runs/~x").out_dir == "runs/~x"
