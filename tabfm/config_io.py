@@ -152,6 +152,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by SafeLoader below, where the
+                continue                                   # mapping's own keys override the anchor's
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, str | int | float | bool):  # odd keys: left to the config's own checks
                 continue
@@ -178,6 +180,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    except RecursionError:  # a config nested thousands deep: no config is
+        raise ConfigError(f"{path} is nested too deeply to be a config") from None
     if raw is None:  # an empty file (or only comments): most likely the wrong file, or one saved half-written
         raise ConfigError(f"{path} is empty: write its keys in it, or leave the file out to use the defaults")
     if not isinstance(raw, dict):

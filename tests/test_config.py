@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tabfm.config import ConfigError, RunConfig, dump_config, from_dict, load_config, load_topology, to_dict
-from tabfm.config_io import preset_names
+from tabfm.config_io import preset_names, read_yaml
 from tabfm.data.priors.hparams import Choice, LogUniform
 from tabfm.model import ModelConfig
 from tabfm.parallel.plan_trace import TransformerSpec
@@ -191,6 +191,18 @@ def test_a_key_given_twice_and_a_folder_for_a_file_are_refused(tmp_path):
     assert _error(load_config, tmp_path) == f"config file {tmp_path} is a folder; give a .yaml file in it"
     path.write_text("train:\n  steps: 2\noptim:\n  lr: 0.001\n")  # the same key in two sections is fine
     assert load_config(path).train.steps == 2
+
+
+def test_merge_keys_work_and_a_config_nested_too_deep_is_one_line(tmp_path):
+    """Found by an audit: `<<: *anchor` (which yaml.safe_load reads) was "not valid YAML", and a config nested 1,500
+    deep a RecursionError of 3,000 lines."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("optim: &base\n  lr: 0.001\n  warmup_steps: 3\ntrain:\n  steps: 2\nlevels:\n  - <<: *base\n"
+                    "    lr: 0.5\n")
+    assert read_yaml(path)["levels"] == [{"lr": 0.5, "warmup_steps": 3}]  # the mapping's own key overrides
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("train: " + "[" * 1500 + "]" * 1500 + "\n")
+    assert _error(load_config, deep) == f"{deep} is nested too deeply to be a config"
 
 
 def test_a_folder_for_a_preset_file_is_named_a_folder(tmp_path):
