@@ -197,7 +197,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir} is a file; give the run's out_dir, the folder that holds metrics.jsonl")
     out = check_png(output if output else Path(run_dir) / "curves.png", "-o")
     train, evals = read_metrics(run_dir)
-    train = [r for r in train if all(isinstance(r.get(k), int | float) for k in ("loss", "lr"))]  # else no curve
+    train = [r for r in train if all(isinstance(r.get(k), int | float) for k in ("loss", "lr"))  # else no curve
+             and isinstance(r.get("task", "all"), str)]  # a hand-edited null or list was a TypeError
     evals = [r for r in evals if isinstance(r.get("eval"), dict)]
     if not train:
         raise ValueError(f"{run_dir}/metrics.jsonl has no training lines (with a loss and a learning rate) yet")

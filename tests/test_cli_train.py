@@ -389,7 +389,9 @@ def test_plot_run_draws_a_log_whose_lines_differ_in_their_fields(tmp_path, capsy
     run = tmp_path / "run"
     run.mkdir()
     lines = [{"step": 1, "loss": 1.0, "lr": 1e-3}, {"step": 2, "lr": 1e-3}, {"step": 3, "loss": 0.5, "lr": 1e-3},
-             {"step": 2, "eval": {"mean_accuracy": 0.7}}, {"step": 3, "eval": {"mean_roc_auc": 0.8}}]
+             {"step": 2, "eval": {"mean_accuracy": 0.7}}, {"step": 3, "eval": {"mean_roc_auc": 0.8}},
+             {"step": 4, "loss": 0.4, "lr": 1e-3, "task": None},  # hand-edited tasks: a TypeError, then these
+             {"step": 5, "loss": 0.4, "lr": 1e-3, "task": ["a"]}, {"step": 6, "loss": 0.3, "lr": 1e-3, "task": "x"}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert cli.main(["plot-run", str(run)]) == 0
     assert (run / "curves.png").stat().st_size > 0
