@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tabfm.data.encode import Batch
 from tabfm.model import ModelConfig, TabFM, build_model
 from tabfm.parallel import parallelize
-from tabfm.parallel.mesh import ParallelDims, TPMesh
+from tabfm.parallel.mesh import ParallelDims, TPMesh, divisors
 from tabfm.parallel.options import ParallelOptions
 from tabfm.parallel_model import parallelize_model, tp_plan
 from tabfm.skip_init import SkipInit
@@ -50,7 +50,7 @@ def fitting_layouts(model_cfg: ModelConfig, world_size: int) -> list[ParallelDim
     """Every dp x d0 x d1 layout of `world_size` processes whose tensor-parallel mesh fits the model's shapes."""
     model = shape_model(model_cfg)
     plan = tp_plan(model)
-    return [ParallelDims(d0, d1, dp) for dp in range(1, world_size + 1) if world_size % dp == 0
+    return [ParallelDims(d0, d1, dp) for dp in divisors(world_size)
             for d0, d1 in parallelize.valid_layouts(model, plan, world_size // dp)]
 
 

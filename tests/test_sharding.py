@@ -65,3 +65,14 @@ def test_missing_or_mismatched_shards_are_refused():
         shard_tensor(full, ShardSpec(("tp0",)), 2, 1, 0, 0)
     with pytest.raises(ValueError, match="unknown placement"):
         ShardSpec(("tp2",))
+
+
+def test_factorizations_of_a_huge_process_count_come_at_once():
+    """Found by an audit: the divisor loop ran up to n, so `--nproc 1000000000` took 161 s to be refused."""
+    import time
+
+    for n in (1, 7, 12, 36, 97, 360):
+        assert factorizations(n) == [(d, n // d) for d in range(1, n + 1) if n % d == 0]
+    start = time.perf_counter()
+    pairs = factorizations(10**9)
+    assert time.perf_counter() - start < 1.0 and len(pairs) == 100 and all(a * b == 10**9 for a, b in pairs)
