@@ -34,9 +34,10 @@ from tabfm.skip_init import SkipInit
 
 @functools.lru_cache(maxsize=2)
 def shape_model(model_cfg: ModelConfig) -> TabFM:
-    """The model for its names and shapes only: uninitialised, on the CPU, costing neither memory nor time. Cached
-    per config (the planner asks about every layout of every process count); read it, never train it."""
-    with torch.device("cpu"), SkipInit():
+    """The model for its names and shapes only: on the meta device, costing neither memory nor time (on the CPU,
+    uninitialised, embed_dim 65,536 asked for 48 GiB and was an allocator's traceback). Cached per config (the
+    planner asks about every layout of every process count); read it, never run it."""
+    with torch.device("meta"), SkipInit():
         return build_model(model_cfg)
 
 

@@ -305,6 +305,7 @@ def _check_tables_fit_model(cfg: RunConfig) -> None:
     """The prior's widest tables and most classes within what the model takes (else the first such batch fails),
     and one batch of the largest within this machine's memory."""
     table, model = cfg.data.table, cfg.model
+    _check_model_fits_memory(cfg)
     check_tables_fit_memory(table.max_rows, table.max_features, cfg.data.batch_size,
                             f"data.table.max_rows={table.max_rows} with data.batch_size={cfg.data.batch_size}")
     if table.max_features > model.max_columns:
@@ -313,6 +314,19 @@ def _check_tables_fit_model(cfg: RunConfig) -> None:
     if table.max_classes > model.max_classes:
         raise ValueError(f"data.table.max_classes={table.max_classes} is more than the model's head has "
                          f"(model.max_classes={model.max_classes}): lower it")
+
+
+def _check_model_fits_memory(cfg: RunConfig) -> None:
+    """Each process builds the whole model on the CPU before sharding it: its weights past this machine's memory
+    (model.embed_dim=65536: 48 GiB) were an allocator's traceback from every rank. Counted on the meta device."""
+    from tabfm.data.config import physical_memory
+    from tabfm.layout import shape_model
+
+    weights = sum(p.numel() for p in shape_model(cfg.model).parameters()) * (8 if cfg.train.dtype == "float64" else 4)
+    have = physical_memory()
+    if have is not None and weights > have:
+        raise ValueError(f"the model's weights alone take {weights / 2**30:,.0f} GiB and this machine has "
+                         f"{have / 2**30:,.0f} GiB: use a smaller model (model.embed_dim, its blocks, or a preset)")
 
 
 def _check_init_from_survives(init_from: Path, out_dir: Path) -> None:

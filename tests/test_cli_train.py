@@ -329,6 +329,8 @@ BAD_CONFIGS = {
                                      "parallel.kernels=triton runs on CUDA tensors, and this run's device is cpu"),
     "tables larger than memory": (["--set", "parallel.d0=2", "parallel.d1=2", "data.table.max_rows=100000000000"],
                                   "need at least 53,644 GiB for their raw cells alone"),
+    "a model larger than memory": (["--set", "parallel.d0=2", "parallel.d1=2", "model.embed_dim=65536"],
+                                   "the model's weights alone take 1,408 GiB"),  # an allocator's traceback
 }
 
 
