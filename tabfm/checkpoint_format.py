@@ -80,8 +80,15 @@ def sha256(path: Path) -> str:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> dict:
-    """Write a safetensors file and fsync it; return its manifest entry (bytes, sha256)."""
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path), metadata)
+    """Write a safetensors file and fsync it; return its manifest entry (bytes, sha256). A write that fails (a full
+    disk, a read-only folder) is an OSError naming the file, as Python's own writes raise (safetensors raises its
+    own error type, which the commands' one-line handlers did not know)."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path), metadata)
+    except SafetensorError as e:
+        raise OSError(f"cannot write {path}: {e}") from None
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "sha256": sha256(path)}

@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tabfm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a full disk, a read-only folder: what the file system said, not a traceback
+        print(f"tabfm {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -380,6 +380,10 @@ def _check_out_dir_path(out_dir: Path) -> None:
     blocker = file_in_the_way(out_dir)
     if blocker is not None:
         raise ValueError(f"train.out_dir={out_dir} lies under {blocker}, which is a file; give a folder")
+    existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK):  # a read-only mount, another user's folder: every rank's traceback
+        raise ValueError(f"train.out_dir={out_dir}: cannot write in {existing} (read-only or not yours); give a "
+                         "folder you can write to")
     for name in RUN_FILES:
         if (out_dir / name).is_symlink():
             raise ValueError(f"{out_dir / name} is a link (to {(out_dir / name).resolve()}); a run writes there and "

@@ -490,3 +490,30 @@ def test_resume_without_a_checkpoint_checks_init_from_before_torchrun(tmp_path, 
     assert cli.main([*argv, "--resume", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nowhere.safetensors: no such merged checkpoint file" in err[0], err
+
+
+def test_a_write_the_file_system_refuses_is_one_line(tmp_path, capsys, monkeypatch):
+    """Found by an audit: a full disk or a read-only folder under `tabfm ckpt merge` was a 24-line traceback from
+    safetensors (its own error type), and a read-only train.out_dir one from every rank."""
+    from safetensors import SafetensorError
+
+    from tabfm import checkpoint_format
+
+    run = tmp_path / "run"
+    assert cli.main(["pretrain", "--config", str(TINY), "--set", f"train.out_dir={run}", *SMALL,
+                     "train.steps=2"]) == 0
+    capsys.readouterr()
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(checkpoint_format, "save_file", full)
+    out = tmp_path / "m.safetensors"
+    assert cli.main(["ckpt", "merge", str(run / "checkpoints" / "step_0000002"), "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tabfm ckpt: error: cannot write") and "StorageFull" in err[0], err
+    assert not out.exists()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)  # as a read-only mount says
+    assert cli.main(_pretrain_argv(["--nproc", "2", "--set", "parallel.d0=2"], tmp_path / "new")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot write in {tmp_path} (read-only or not yours)" in err[0], err
