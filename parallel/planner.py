@@ -79,6 +79,17 @@ def plan(source: ModelSource, topology: Topology, nproc: int, *, dtype: str | to
     return valid + [c for c in out if not c.valid]
 
 
+def check_shapes_fit(source: ModelSource, nproc: int) -> None:
+    """ValueError, saying which process counts would do, where no (d0, d1) of `nproc` ranks divides the model's
+    shapes: what `plan` finds last, checked first where the topology is still to be measured (starting and timing
+    6 local ranks took 2 minutes before this said 6 cannot work)."""
+    model, plan_dict, spec = build_source(source, torch.float32)
+    problems_of = _problems_of(source, model, plan_dict)
+    if all(problems_of(d0, d1) for d0, d1 in factorizations(nproc)):
+        raise ValueError(_nothing_fits(_candidates(nproc, (False,), (1,), spec, problems_of), problems_of, nproc,
+                                       (1,)))
+
+
 def _check_options(topology: Topology, nproc: int, chunks: Iterable[int], sequence_parallel: Iterable[bool],
                    optimizer: str, memory_fraction: float) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """The search settings checked (ValueError saying what to change): the chunk counts and the distinct

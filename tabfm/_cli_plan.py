@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if args.png:  # checked before the planning, not after it
             check_png(args.png, "--png")
         if args.topology == "measure":
+            planner.check_shapes_fit(spec, args.nproc)  # before timing that many local ranks
             topology = load_or_measure(args.nproc)
         else:
             topology = load_topology(args.topology, args.nproc)

@@ -363,3 +363,19 @@ def test_planner_benchmark_refuses_a_bad_flag_before_measuring(monkeypatch, tmp_
         bench.main(argv)
     assert capsys.readouterr().err.splitlines()[-1] == f"planner.py: error: {message.format(tmp=tmp_path)}"
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_cli_plan_refuses_a_process_count_no_layout_fits_before_measuring(tmp_path, capsys, monkeypatch):
+    """Found by an audit: --nproc 6 with the measured topology started and timed 6 local ranks (2 minutes) before
+    saying that no layout of 6 divides the model's shapes."""
+    from tabfm import _cli_plan
+    from tabfm.parallel import topology
+
+    monkeypatch.setattr(topology, "load_or_measure", lambda n: (_ for _ in ()).throw(AssertionError("measured")))
+    parser = argparse.ArgumentParser(prog="tabfm")
+    _cli_plan.add_parser(parser.add_subparsers(dest="command", required=True))
+    config = tmp_path / "plan.yaml"
+    config.write_text("model: {depth: 1, hidden: 64, heads: 8, seq: 16, batch: 2}\n")
+    args = parser.parse_args(["plan", "--config", str(config), "--nproc", "6", "--topology", "measure"])
+    assert args.run(args) == 2
+    assert "process counts whose layouts divide this model's shapes: [1, 2, 4, 8" in capsys.readouterr().err
