@@ -489,4 +489,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main())
+    try:
+        sys.exit(worker_main())
+    except KeyboardInterrupt:  # a rank under torchrun on Ctrl-C: the launcher says it once, no traceback per rank
+        sys.exit(130)

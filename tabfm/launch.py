@@ -4,7 +4,8 @@
 output paths), then start torchrun, which starts N ranks of the job's worker module:
 
     launcher   args = job parser's parse; checks; run_torchrun(MODULE, worker_argv(worker parser, args), N)
-    torchrun   python -m torch.distributed.run --nproc-per-node N [--max-restarts R] -m MODULE WORKER_ARGV
+    torchrun   python -m tabfm._torchrun --nproc-per-node N [--max-restarts R] -m MODULE WORKER_ARGV
+               (torch.distributed.run, quiet on Ctrl-C)
     each rank  MODULE parses WORKER_ARGV with the worker parser; `with process_group(device):` runs the job
 
 The ranks get the launcher's parsed values back as a command line (`worker_argv`), checked to parse to the same
@@ -82,7 +83,7 @@ def torchrun_command(module: str, argv: Sequence[str], nproc: int, max_restarts:
     port (29500), where the second would fail to start or join the first."""
     if nproc < 1 or max_restarts < 0:
         raise ValueError(f"nproc must be at least 1 and max_restarts at least 0, got {nproc} and {max_restarts}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "tabfm._torchrun", "--standalone", "--nproc-per-node", str(nproc)]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
     return [*cmd, "-m", module, *argv]

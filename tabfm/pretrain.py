@@ -437,4 +437,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[StepHook] = ()) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # a rank under torchrun on Ctrl-C: the launcher says it once, no traceback per rank
+        sys.exit(130)

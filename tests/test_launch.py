@@ -48,7 +48,7 @@ def test_demo_launcher_starts_torchrun_with_what_it_was_given(monkeypatch):
     monkeypatch.setattr(launch, "run_command", lambda cmd, env: started.append((cmd, env)) or 0)
     assert cli.main(["demo", "--layout", "1x2", "--steps", "3", "--sequence-parallel"]) == 0
     (cmd, env), = started
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--max-restarts" not in cmd
+    assert cmd[:3] == [sys.executable, "-m", "tabfm._torchrun"] and "--max-restarts" not in cmd
     assert "--standalone" in cmd  # a free rendezvous port: two jobs on one machine (or two test workers) never meet
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and env["OMP_NUM_THREADS"]
     ranks = _cli_demo.worker_parser().parse_args(cmd[cmd.index("tabfm._cli_demo") + 1:])
@@ -133,3 +133,23 @@ def test_one_process_joins_no_group_and_a_callers_group_is_left_alone():
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_torchrun_stopped_by_a_signal_exits_with_the_shells_status_and_no_traceback(monkeypatch, capsys):
+    """Found by an audit: on Ctrl-C torchrun stopped its ranks, then raised the signal as a traceback of its own
+    beside the launcher's `interrupted` line (115-210 lines for 2 ranks with theirs)."""
+    import signal
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from tabfm import _torchrun
+
+    def stopped(*args, **kwargs):
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch.distributed.run, "main", stopped)
+    assert _torchrun.main() == 128 + signal.SIGTERM
+    monkeypatch.setattr(torch.distributed.run, "main", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert _torchrun.main() == 130
+    assert capsys.readouterr().err == ""
