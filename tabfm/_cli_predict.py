@@ -155,28 +155,28 @@ def load_train(args: argparse.Namespace):
     ValueError on bad input."""
     import polars as pl
 
-    from tabfm import table_io
+    from tabfm import table_io, text_columns
 
     # the target also as the text its cells hold, for a classifier's labels (_labels_as_written)
     train, target_text = table_io.read_table_and_text(args.train, args.target, _na(args), args.separator,
                                                       args.decimal_comma)
     _say_short_rows(args, args.train, table_io.short_rows(args.train, args.separator,
                                                           train.get_column(train.columns[-1]).null_count()))
-    for column, k, n, others in table_io.mostly_numeric_text(train, args.decimal_comma):
+    for column, k, n, others in text_columns.mostly_numeric_text(train, args.decimal_comma):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
-    for column, k, n, others in table_io.mostly_temporal_text(train):
+    for column, k, n, others in text_columns.mostly_temporal_text(train):
         shown = ", ".join(repr(v) for v in others)
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
              f"are dates; the others: {shown}. Fix them, or pass --na-values if they mean missing", warning=True)
-    for column, example in [] if args.decimal_comma else table_io.thousands_text(train):
+    for column, example in [] if args.decimal_comma else text_columns.thousands_text(train):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"if {example!r} is {example.replace(',', '')} (thousands separators) or "
              f"{example.replace(',', '.', 1) if example.count(',') == 1 else 'a decimal comma'}: remove the "
              "separators if they group thousands, or pass --decimal-comma if the comma is the decimal point",
              warning=True)
-    for column, example in [] if args.decimal_comma else table_io.decimal_comma_text(train):
+    for column, example in [] if args.decimal_comma else text_columns.decimal_comma_text(train):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"with a decimal comma (e.g. {example!r}); pass --decimal-comma", warning=True)
     if args.target not in train.columns:

@@ -152,9 +152,9 @@ def _fit_categories(raw: np.ndarray, order: list[str] | None) -> tuple[str, ...]
 
 def _numbers_with_others(raw: np.ndarray) -> list[str] | None:
     """Up to 3 of the other values of a text column whose non-missing cells are mostly numbers, or None where they
-    are not: the rule `tabfm predict` warns by (tabfm.table_io.mostly_numeric_text), so the API and the command
+    are not: the rule `tabfm predict` warns by (tabfm.text_columns.mostly_numeric_text), so the API and the command
     agree on which columns they name."""
-    from tabfm.table_io import mostly_numeric_text
+    from tabfm.text_columns import mostly_numeric_text
 
     found = mostly_numeric_text(pl.DataFrame({"column": string_series(raw)}))
     return found[0][3] if found else None

@@ -37,7 +37,7 @@ SEPARATOR_NAMES = {",": "comma", ";": "semicolon", "\t": "tab", "|": "pipe"}
 """Field separators a one-column header is checked for (a file read with the wrong one has a one-column header)."""
 
 _PARQUET_MAGIC = b"PAR1"
-_ISO_DATE_START = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")
+ISO_DATE_START = re.compile(r"\d{4}-\d{1,2}-\d{1,2}")
 _DATE_FORMAT = "%Y-%m-%d"
 _DATETIME_FORMATS = tuple(f"%Y-%m-%d{t}%H:%M{s}" for t in ("T", " ") for s in (":%S%.f", ""))
 """ISO-8601 date-times a text cell may hold (seconds and their fraction optional; %z is added for an offset)."""
@@ -317,7 +317,7 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str], decimal_comma: bool =
         if dtype != pl.String:
             continue
         s = _text_cells(df.get_column(name), na_values)
-        number_text = _decimal_point(s) if decimal_comma else s
+        number_text = decimal_point_text(s) if decimal_comma else s
         for numeric in (pl.Int64, pl.Float64):
             cast = number_text.cast(numeric, strict=False)
             if cast.null_count() == s.null_count():
@@ -335,7 +335,7 @@ def _as_temporal(s: pl.Series) -> pl.Series:
     import polars as pl
 
     first = s.drop_nulls().head(1).to_list()
-    if not first or not _ISO_DATE_START.match(first[0]):  # one cell looked at: text columns cost nothing more
+    if not first or not ISO_DATE_START.match(first[0]):  # one cell looked at: text columns cost nothing more
         return s
     for dtype in (pl.Date, pl.Datetime("us"), pl.Datetime("us", "UTC")):
         parsed = text_to_temporal(s, dtype)
@@ -367,7 +367,7 @@ POINT_THOUSANDS = r"^[+-]?[1-9]\d{0,2}(\.\d{3})+(,\d+)?$"
 that write a decimal comma write them."""
 
 
-def _decimal_point(s: pl.Series) -> pl.Series:
+def decimal_point_text(s: pl.Series) -> pl.Series:
     """Text cells with a decimal comma written with a point (1,5 -> 1.5), for reading them as numbers; points that
     group thousands before it are dropped (2.981,74 -> 2981.74: read as 2.981.74 they were no number, and the
     column became text)."""
@@ -378,103 +378,12 @@ def _decimal_point(s: pl.Series) -> pl.Series:
     return whole.str.replace(",", ".", literal=True).alias(s.name)
 
 
-THOUSANDS = r"^[+-]?[1-9]\d{0,2}(,\d{3})+(\.\d+)?$"
-"""A number written with thousands separators (1,000 or 12,345,678.5, never 0,125); a decimal comma writes 1,000
-too."""
-
-
-def thousands_text(df: pl.DataFrame) -> list[tuple[str, str]]:
-    """Text columns where most cells are numbers once cells such as 1,000 count as numbers, and every cell with a
-    comma reads so: (column, an example cell). Whether 1,000 is a thousand (a separator) or 1.0 (a decimal comma)
-    the file cannot say, so neither reading is taken for the user; without this a column of half 850 and half
-    1,000 was read as categories without a word."""
-    import polars as pl
-
-    found = []
-    for name, dtype in df.schema.items():
-        if dtype != pl.String:
-            continue
-        s = df.get_column(name).drop_nulls().str.strip_chars()
-        grouped = s.str.contains(THOUSANDS)
-        comma = s.str.contains(",", literal=True)
-        plain = s.cast(pl.Float64, strict=False).is_not_null()
-        if grouped.any() and (grouped == comma).all() and 2 * (grouped | plain).sum() > s.len():
-            found.append((name, s.filter(grouped)[0]))
-    return found
-
-
-def decimal_comma_text(df: pl.DataFrame) -> list[tuple[str, str]]:
-    """Text columns most of whose cells are numbers written with a decimal comma: (column, an example cell).
-
-    Such a column (a semicolon export read without --decimal-comma) is read as categories, which is not what was
-    meant. Columns whose commas all group thousands (thousands_text) are left to that warning."""
-    import polars as pl
-
-    found = []
-    grouped = {name for name, _ in thousands_text(df)}
-    for name, dtype in df.schema.items():
-        if dtype != pl.String or name in grouped:
-            continue
-        s = df.get_column(name).drop_nulls()
-        comma = s.str.contains(",", literal=True) & _decimal_point(s).cast(pl.Float64, strict=False).is_not_null()
-        if s.len() and 2 * comma.sum() > s.len():
-            found.append((name, s.filter(comma)[0]))
-    return found
-
-
 def _text_cells(s: pl.Series, na_values: Sequence[str]) -> pl.Series:
     """Text cells stripped of surrounding blanks, the NA tokens among them missing."""
     import polars as pl
 
     s = s.str.strip_chars()
     return pl.select(pl.when(s.is_in(list(na_values))).then(None).otherwise(s).alias(s.name)).to_series()
-
-
-def mostly_numeric_text(df: pl.DataFrame, decimal_comma: bool = False) -> list[tuple[str, int, int, list[str]]]:
-    """Text columns where most cells are numbers (written with a decimal comma, with `decimal_comma`): (column,
-    numbers, non-missing cells, up to 3 of the other values).
-
-    Such a column is read as categories, which is rarely what was meant: the other values are usually a missing
-    token that is not in the NA list, or a typo. Only finite numbers count: "nan" and "inf", which polars reads as
-    floats, are what `astype(str)` makes of missing cells, and converting such a column as advised would empty it.
-    """
-    import polars as pl
-
-    found = []
-    for name, dtype in df.schema.items():
-        if dtype != pl.String:
-            continue
-        s = df.get_column(name).drop_nulls()
-        finite = (_decimal_point(s) if decimal_comma else s).cast(pl.Float64, strict=False).is_finite().fill_null(False)
-        n = s.len()
-        k = int(finite.sum())
-        if n and 2 * k > n:
-            others = s.filter(~finite).unique(maintain_order=True).head(3).to_list()
-            found.append((name, k, n, others))
-    return found
-
-
-def mostly_temporal_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str]]]:
-    """Text columns where most cells are ISO dates or date-times but some are not (2020-02-30, a typo): (column,
-    dates, non-missing cells, up to 3 of the other values). Such a column is read as categories, every later date
-    a category the train rows never saw, which was done without a word."""
-    import polars as pl
-
-    found = []
-    for name, dtype in df.schema.items():
-        if dtype != pl.String:
-            continue
-        s = df.get_column(name).drop_nulls().str.strip_chars()
-        n = s.len()
-        if not n or 2 * int(s.str.contains(_ISO_DATE_START.pattern).sum()) <= n:
-            continue
-        read = max((text_to_temporal(s, t).is_not_null() for t in (pl.Date, pl.Datetime("us"),
-                                                                    pl.Datetime("us", "UTC"))),
-                   key=lambda ok: int(ok.sum()))
-        k = int(read.sum())
-        if k < n and 2 * k > n:
-            found.append((name, k, n, s.filter(~read).unique(maintain_order=True).head(3).to_list()))
-    return found
 
 
 class TableScan:
@@ -551,7 +460,7 @@ def conform(df: pl.DataFrame, schema: Mapping[str, pl.DataType], na_values: Sequ
             continue
         s = _text_cells(s, na_values)
         if dtype.is_numeric():
-            number_text = _decimal_point(s) if decimal_comma else s
+            number_text = decimal_point_text(s) if decimal_comma else s
             s = _read_cells(s, number_text.cast(pl.Float64, strict=False), "numbers", where, offset)
         elif dtype in (pl.Date, pl.Datetime):
             s = _read_cells(s, text_to_temporal(s, dtype), _temporal_words(dtype), where, offset)

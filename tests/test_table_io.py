@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 from tabfm import table_io
-from tabfm.table_io import (NA_VALUES, TableError, TableScan, decimal_comma_text, mostly_numeric_text,
-                            mostly_temporal_text, na_tokens, read_table, read_table_and_text, thousands_text)
+from tabfm.table_io import NA_VALUES, TableError, TableScan, na_tokens, read_table, read_table_and_text
+from tabfm.text_columns import decimal_comma_text, mostly_numeric_text, mostly_temporal_text, thousands_text
 
 
 def _write(path, data: bytes | str):
