@@ -270,6 +270,11 @@ def run_measurement(path: Path, world_size: int, backend: str, device: str,
     dist.barrier()
 
 
+MAX_RANKS_PER_CORE = 4
+"""Measured CPU ranks per core at most: past that the gloo ranks time each other's waits for a core, and a --nproc
+typo (64, 100,000) would start that many torch processes."""
+
+
 def load_or_measure(nproc: int, path: str | Path | None = None, refresh: bool = False) -> MeasuredTopology:
     """This machine's measured topology for `nproc` ranks: from the cache, or measured now (once).
 
@@ -285,6 +290,11 @@ def load_or_measure(nproc: int, path: str | Path | None = None, refresh: bool = 
     path = Path(path) if path else cache_path(nproc, backend)
     if path.is_file() and not refresh:
         return read_measured(path)
+    cores = os.cpu_count() or 1
+    if not use_cuda and not dist.is_initialized() and nproc > MAX_RANKS_PER_CORE * cores:
+        raise ValueError(f"measuring {nproc} ranks here would start {nproc} processes on {cores} CPU cores (at most "
+                         f"{MAX_RANKS_PER_CORE * cores} are measured): measure on the machine the run goes to, or "
+                         "give a topology preset or file with --topology")
     if nproc == 1:
         write_measured(path, 1, backend, {"1x1": {}}, 1.0, device)
         return read_measured(path)

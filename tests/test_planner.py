@@ -379,3 +379,20 @@ def test_cli_plan_refuses_a_process_count_no_layout_fits_before_measuring(tmp_pa
     args = parser.parse_args(["plan", "--config", str(config), "--nproc", "6", "--topology", "measure"])
     assert args.run(args) == 2
     assert "process counts whose layouts divide this model's shapes: [1, 2, 4, 8" in capsys.readouterr().err
+
+
+def test_measuring_far_more_cpu_ranks_than_cores_is_refused_before_any_starts(tmp_path, monkeypatch):
+    """Found by an audit: nothing bounded the local ranks `--topology measure` starts (a --nproc of 64 or 100,000
+    on a 2-core machine would start that many torch processes)."""
+    import os
+
+    import torch.multiprocessing
+
+    from tabfm.parallel import topology_measure
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.setattr(topology_measure.torch.cuda, "is_available", lambda: False)
+    too_many = topology_measure.MAX_RANKS_PER_CORE * (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"measuring {too_many} ranks here would start {too_many} processes"):
+        topology_measure.load_or_measure(too_many, tmp_path / "t.json")
