@@ -46,8 +46,8 @@ from tabfm import checkpoint as ckpt
 from tabfm._cli_train import add_run_dir_arguments, read_metrics_file, run_overrides
 from tabfm.checkpoint import latest_checkpoint
 from tabfm.config import RunConfig, dump_config, load_config
-from tabfm.data.config import check_tables_fit_memory
-from tabfm.layout import check_layout, fitting_layouts
+from tabfm.data.config import check_tables_fit_memory, physical_memory
+from tabfm.layout import check_layout, fitting_layouts, shape_model
 from tabfm.out_paths import CHECKPOINTS, checkpoints_of, file_in_the_way
 from tabfm.parallel.mesh import LayoutError, ParallelDims, TPMesh
 from tabfm.parallel.process_group import process_group
@@ -264,19 +264,16 @@ def check_run(cfg: RunConfig, world_size: int, resume: str | None, overwrite: bo
             ckpt.verify_checkpoint(cfg.train.init_from)
         if overwrite:
             _check_init_from_survives(Path(cfg.train.init_from), out_dir)
-    if resume is not None:
-        _check_resume_point(out_dir, resume, cfg)
+    if resumed is not None:
+        _check_resume_point(resumed, cfg)
 
 
-def _check_resume_point(out_dir: Path, resume: str, cfg: RunConfig) -> None:
-    """The checkpoint a resume starts from, verified (manifest, sizes, headers, every file's checksum and finite
-    weights) and checked to be of the run's model: a damaged or foreign checkpoint is one line here, not a
+def _check_resume_point(found: Path, cfg: RunConfig) -> None:
+    """The checkpoint a resume starts from (`found`), verified (manifest, sizes, headers, every file's checksum and
+    finite weights) and checked to be of the run's model: a damaged or foreign checkpoint is one line here, not a
     traceback from every rank (a flipped byte in a shard once was, from the restore)."""
     from tabfm.checkpoint_inspect import config_diff, config_from_dict
 
-    found = latest_checkpoint(out_dir) if resume == "auto" else Path(resume)
-    if found is None:
-        return
     manifest = ckpt.verify_checkpoint(found)
     saved = config_from_dict(manifest["model_config"], f"{found}/{ckpt.MANIFEST}: model_config")
     changed = config_diff(saved.to_dict(), cfg.model.to_dict())
@@ -319,9 +316,6 @@ def _check_tables_fit_model(cfg: RunConfig) -> None:
 def _check_model_fits_memory(cfg: RunConfig) -> None:
     """Each process builds the whole model on the CPU before sharding it: its weights past this machine's memory
     (model.embed_dim=65536: 48 GiB) were an allocator's traceback from every rank. Counted on the meta device."""
-    from tabfm.data.config import physical_memory
-    from tabfm.layout import shape_model
-
     weights = sum(p.numel() for p in shape_model(cfg.model).parameters()) * (8 if cfg.train.dtype == "float64" else 4)
     have = physical_memory()
     if have is not None and weights > have:
