@@ -162,14 +162,14 @@ def load_train(args: argparse.Namespace):
                                                       args.decimal_comma)
     _say_short_rows(args, args.train, table_io.short_rows(args.train, args.separator,
                                                           train.get_column(train.columns[-1]).null_count()))
-    for column, k, n, others in text_columns.mostly_numeric_text(train, args.decimal_comma):
-        shown = ", ".join(repr(v) for v in others)
-        _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
-             f"are numbers; the others: {shown}. If they mean missing, pass --na-values", warning=True)
-    for column, k, n, others in text_columns.mostly_temporal_text(train):
-        shown = ", ".join(repr(v) for v in others)
-        _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} values "
-             f"are dates; the others: {shown}. Fix them, or pass --na-values if they mean missing", warning=True)
+    mostly = (("numbers", "If they mean missing, pass --na-values",
+               text_columns.mostly_numeric_text(train, args.decimal_comma)),
+              ("dates", "Fix them, or pass --na-values if they mean missing", text_columns.mostly_temporal_text(train)))
+    for kind, remedy, found in mostly:
+        for column, k, n, others in found:
+            shown = ", ".join(repr(v) for v in others)
+            _say(args, f"{args.train}: column {column!r} is read as text (categories) although {k} of its {n} "
+                 f"values are {kind}; the others: {shown}. {remedy}", warning=True)
     for column, example in [] if args.decimal_comma else text_columns.thousands_text(train):
         _say(args, f"{args.train}: column {column!r} is read as text (categories) although its values are numbers "
              f"if {example!r} is {example.replace(',', '')} (thousands separators) or "

@@ -332,16 +332,21 @@ def _tidy_text(df: pl.DataFrame, na_values: Sequence[str], decimal_comma: bool =
 def _as_temporal(s: pl.Series) -> pl.Series:
     """Text `s` (stripped, NA tokens missing) as dates, naive date-times or UTC date-times when every cell reads as
     one of them (so the model sees seconds, not a category per day); `s` unchanged otherwise."""
-    import polars as pl
-
     first = s.drop_nulls().head(1).to_list()
     if not first or not ISO_DATE_START.match(first[0]):  # one cell looked at: text columns cost nothing more
         return s
-    for dtype in (pl.Date, pl.Datetime("us"), pl.Datetime("us", "UTC")):
+    for dtype in temporal_types():
         parsed = text_to_temporal(s, dtype)
         if parsed.null_count() == s.null_count():
             return parsed
     return s
+
+
+def temporal_types() -> tuple[pl.DataType, ...]:
+    """What a text column of ISO cells may read as, in the order tried: dates, naive date-times, UTC date-times."""
+    import polars as pl
+
+    return pl.Date, pl.Datetime("us"), pl.Datetime("us", "UTC")
 
 
 def text_to_temporal(s: pl.Series, dtype: pl.DataType) -> pl.Series:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tabfm.table_io import ISO_DATE_START, decimal_point_text, text_to_temporal
+from tabfm.table_io import ISO_DATE_START, decimal_point_text, temporal_types, text_to_temporal
 
 if TYPE_CHECKING:
     import polars as pl
@@ -100,9 +100,7 @@ def mostly_temporal_text(df: pl.DataFrame) -> list[tuple[str, int, int, list[str
         n = s.len()
         if not n or 2 * int(s.str.contains(ISO_DATE_START.pattern).sum()) <= n:
             continue
-        read = max((text_to_temporal(s, t).is_not_null() for t in (pl.Date, pl.Datetime("us"),
-                                                                    pl.Datetime("us", "UTC"))),
-                   key=lambda ok: int(ok.sum()))
+        read = max((text_to_temporal(s, t).is_not_null() for t in temporal_types()), key=lambda ok: int(ok.sum()))
         k = int(read.sum())
         if k < n and 2 * k > n:
             found.append((name, k, n, s.filter(~read).unique(maintain_order=True).head(3).to_list()))
