@@ -342,42 +342,42 @@ def test_na_tokens_read_as_missing_give_the_predictions_of_empty_cells(tables, c
     assert max(digits) <= 6 and max(digits) >= 5
 
 
-def test_a_mostly_numeric_text_column_is_warned_about(tables, capsys):
+def _mostly_numbers(tables):
+    """train.csv with every tenth 'x' cell 'n.a.': a column of numbers read as text."""
     train = pl.read_csv(tables / "train.csv")
-    bad = train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
-                             .otherwise(pl.col("x").cast(pl.String)).alias("x"))
-    bad.write_csv(tables / "bad.csv")
-    # The warning comes as the tables are read, before anything else: a wrong target stops the run right after.
-    argv = ["predict", "--train", str(tables / "bad.csv"), "--test", str(tables / "test.csv"), "--target", "nope"]
-    assert main(argv) == 2
-    warning, error = capsys.readouterr().err.strip().splitlines()
-    assert warning == (f"tabfm predict: warning: {tables / 'bad.csv'}: column 'x' is read as text (categories) "
-                       "although 81 of its 90 values are numbers; the others: 'n.a.'. If they mean missing, pass "
-                       "--na-values")
-    assert error.startswith("tabfm predict: error: ") and "has no column 'nope'" in error
-    assert main([*argv, "--na-values", "n.a."]) == 2
-    assert "warning" not in capsys.readouterr().err
+    train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
+                       .otherwise(pl.col("x").cast(pl.String)).alias("x")).write_csv(tables / "bad.csv")
+    return "bad.csv"
 
 
-
-def test_a_date_column_with_a_date_that_is_not_one_is_warned_about(tables, capsys):
-    """One impossible date made the column categories without a word (later dates all unseen categories)."""
+def _mostly_dates(tables):
+    """A column of dates with one impossible date, which made it categories without a word (later dates all unseen
+    categories)."""
     days = [f"2020-01-{1 + i % 28:02d}" for i in range(59)] + ["2020-02-30"]
     (tables / "days.csv").write_text("x,day,y\n" + "\n".join(f"{i % 7},{d},{'ab'[i % 2]}" for i, d in enumerate(days)))
-    argv = ["predict", "--train", str(tables / "days.csv"), "--test", str(tables / "test.csv"), "--target", "nope"]
+    return "days.csv"
+
+
+@pytest.mark.parametrize("write, token, message", [
+    (_mostly_numbers, "n.a.", "column 'x' is read as text (categories) although 81 of its 90 values are numbers; the "
+     "others: 'n.a.'. If they mean missing, pass --na-values"),
+    (_mostly_dates, "2020-02-30", "column 'day' is read as text (categories) although 59 of its 60 values are dates; "
+     "the others: '2020-02-30'. Fix them, or pass --na-values if they mean missing"),
+])
+def test_a_text_column_of_mostly_numbers_or_dates_is_warned_about(tables, capsys, write, token, message):
+    name = write(tables)
+    # The warning comes as the tables are read, before anything else: a wrong target stops the run right after.
+    argv = ["predict", "--train", str(tables / name), "--test", str(tables / "test.csv"), "--target", "nope"]
     assert main(argv) == 2
     warning, error = capsys.readouterr().err.strip().splitlines()
-    assert warning == (f"tabfm predict: warning: {tables / 'days.csv'}: column 'day' is read as text (categories) "
-                       "although 59 of its 60 values are dates; the others: '2020-02-30'. Fix them, or pass "
-                       "--na-values if they mean missing")
-    assert main([*argv, "--na-values", "2020-02-30"]) == 2
+    assert warning == f"tabfm predict: warning: {tables / name}: {message}"
+    assert error.startswith("tabfm predict: error: ") and "has no column 'nope'" in error
+    assert main([*argv, "--na-values", token]) == 2
     assert "warning" not in capsys.readouterr().err
 
 
 def test_a_mostly_numeric_text_column_is_warned_about_once(tables, capsys):
-    train = pl.read_csv(tables / "train.csv")
-    train.with_columns(pl.when(pl.int_range(pl.len()) % 10 == 0).then(pl.lit("n.a."))
-                       .otherwise(pl.col("x").cast(pl.String)).alias("x")).write_csv(tables / "bad.csv")
+    _mostly_numbers(tables)
     test = pl.read_csv(tables / "test.csv").with_columns(pl.col("x").cast(pl.String))
     test.write_csv(tables / "bad_test.csv")
     with warnings.catch_warnings(record=True) as caught:

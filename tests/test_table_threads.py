@@ -151,10 +151,15 @@ def test_benchmark_prints_both_sides_and_their_ratio(tmp_path):
         assert diff < 1e-4
 
 
-def _blas_threads() -> int:
+def _native_threads(user_api: str) -> int:
+    """The most threads any loaded library of `user_api` ("blas" or "openmp") would use now."""
     from threadpoolctl import threadpool_info
 
-    return max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=1)
+    return max((p["num_threads"] for p in threadpool_info() if p["user_api"] == user_api), default=1)
+
+
+def _blas_threads() -> int:
+    return _native_threads("blas")
 
 
 def test_host_work_runs_on_one_thread_and_restores_the_counts_even_on_an_error():
@@ -253,15 +258,10 @@ def test_the_trees_predict_on_one_thread(Estimator, monkeypatch):
         tree_base.HistGradientBoostingRegressor
     name = "predict_proba" if Estimator is TabFMClassifier else "predict"
     method = getattr(real, name)
-    monkeypatch.setattr(real, name, lambda self, X: seen.append(_openmp_threads()) or method(self, X))
+    monkeypatch.setattr(real, name, lambda self, X: seen.append(_native_threads("openmp")) or method(self, X))
     estimator_outputs(est, X[:50])
     assert seen == [1]
 
-
-def _openmp_threads() -> int:
-    from threadpoolctl import threadpool_info
-
-    return max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "openmp"), default=1)
 
 
 
@@ -290,4 +290,3 @@ def test_busy_processes_spin_for_the_block_and_stop_after_it_even_on_an_error():
             raise RuntimeError("inside")
     assert not any(p.is_alive() for p in started)
     assert {p.pid for p in multiprocessing.active_children()} <= before
-

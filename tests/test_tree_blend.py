@@ -189,8 +189,8 @@ def test_a_changed_trees_file_is_refused(tmp_path):
         TabFMClassifier.load(tmp_path / "clf")
 
 
-def test_trees_run_on_the_estimators_threads(monkeypatch):
-    """n_jobs=1 keeps the trees' OpenMP to one thread too (it takes every core unless told)."""
+def _openmp_threads_of_each_tree_fit(monkeypatch) -> list[set[int]]:
+    """The OpenMP thread counts in force at each HistGradientBoostingClassifier fit from now on, as they happen."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from threadpoolctl import threadpool_info
 
@@ -202,6 +202,12 @@ def test_trees_run_on_the_estimators_threads(monkeypatch):
         return real(self, X, y)
 
     monkeypatch.setattr(HistGradientBoostingClassifier, "fit", spy)
+    return seen
+
+
+def test_trees_run_on_the_estimators_threads(monkeypatch):
+    """n_jobs=1 keeps the trees' OpenMP to one thread too (it takes every core unless told)."""
+    seen = _openmp_threads_of_each_tree_fit(monkeypatch)
     X, y = _steps(300, seed=4)
     clf = TabFMClassifier(**FAST).fit(X[:250], y[:250])
     assert clf.tree_weight_ > 0 and len(seen) == 2 and all(threads == {1} for threads in seen)
@@ -211,19 +217,9 @@ def test_on_a_cpu_every_tree_fit_runs_on_one_openmp_thread(tmp_path, monkeypatch
     """With n_jobs=2 the forwards get two threads and the trees one, also the fit on every row of more than two
     classes (started once their weight is known, after the forwards) and the fit again at load under another
     scikit-learn: a team of two OpenMP threads beside busy processes took 4.5-140 s where one took 1.5 s."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-    from threadpoolctl import threadpool_info
-
     from tabfm import persist
 
-    seen = []
-    real = HistGradientBoostingClassifier.fit
-
-    def spy(self, X, y):
-        seen.append({pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "openmp"})
-        return real(self, X, y)
-
-    monkeypatch.setattr(HistGradientBoostingClassifier, "fit", spy)
+    seen = _openmp_threads_of_each_tree_fit(monkeypatch)
     X, y = _three_steps(300, seed=4)
     clf = TabFMClassifier(**{**FAST, "n_jobs": 2}).fit(X[:250], y[:250])
     clf.save(tmp_path / "clf")
