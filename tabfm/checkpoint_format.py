@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
@@ -83,8 +84,6 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     """Write a safetensors file and fsync it; return its manifest entry (bytes, sha256). A write that fails (a full
     disk, a read-only folder) is an OSError naming the file, as Python's own writes raise (safetensors raises its
     own error type, which the commands' one-line handlers did not know)."""
-    from safetensors import SafetensorError
-
     try:
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path), metadata)
     except SafetensorError as e:
